@@ -1,0 +1,42 @@
+"""Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``:
+
+    forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+        -> (out [Tq, HQ, D], lse [HQ, Tq] fp32)
+    backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+        -> (dq, dk, dv, dsinks or None)
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from .capabilities import Call, Capabilities
+
+__all__ = ["NAMES", "load", "choose", "Call", "Capabilities"]
+
+NAMES = ("cpu", "reference")
+_AUTO = {"cpu": "cpu"}
+
+
+def load(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def choose(backend: str, call: Call) -> ModuleType:
+    """The backend module for ``call``; NotImplementedError with the reason if none can take it."""
+    if backend == "auto":
+        name = _AUTO.get(call.device_type)
+        if name is None:
+            raise NotImplementedError(
+                f"no fast backend for {call.device_type!r} tensors yet; pass backend='reference' "
+                f"(float64, materialized) or move the tensors to the CPU")
+    elif backend in NAMES:
+        name = backend
+    else:
+        raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {backend!r}")
+    module = load(name)
+    reason = module.CAPABILITIES.why_not(call)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    return module

@@ -1,0 +1,42 @@
+"""What a backend declares it can run, and the one check that reads the declaration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Capabilities", "Call"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """The facts about one call that decide whether a backend can take it."""
+
+    device_type: str
+    dtype: torch.dtype
+    head_dim: int
+    needs_grad: bool
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    name: str
+    device_types: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    max_head_dim: int
+    backward: bool = True
+
+    def why_not(self, call: Call) -> str | None:
+        """None when the backend can take ``call``, else the reason in one sentence."""
+        if call.device_type not in self.device_types:
+            return (f"backend {self.name!r} runs on {sorted(self.device_types)} tensors, "
+                    f"got {call.device_type!r} tensors")
+        if call.dtype not in self.dtypes:
+            names = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"backend {self.name!r} supports dtypes {names}, got {call.dtype}"
+        if call.head_dim > self.max_head_dim:
+            return f"backend {self.name!r} supports head dims up to {self.max_head_dim}, got {call.head_dim}"
+        if call.needs_grad and not self.backward:
+            return f"backend {self.name!r} has no backward"
+        return None

@@ -1,0 +1,92 @@
+"""Public entry points: validation, backend choice, and the autograd glue.
+
+Backends compute; this module only checks arguments, picks one, and routes
+gradients (including the one flowing into ``lse``) to its ``backward``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import backends, masks, validation
+
+__all__ = ["sink_attn_varlen_func", "sink_attn_func"]
+
+
+class _SinkAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, impl):
+        out_acc, lse = impl.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+        ctx.save_for_backward(q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.options = (softmax_scale, left, right, impl)
+        ctx.set_materialize_grads(False)
+        return out_acc.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        softmax_scale, left, right, impl = ctx.options
+        if dout is None:
+            dout = torch.zeros_like(q)
+        dq, dk, dv, dsinks = impl.backward(dout.contiguous(), dlse, q, k, v, sinks, out_acc, lse,
+                                           cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_size, backend):
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, sinks))
+    impl = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
+    left, right = masks.normalize_window(causal, window_size)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _SinkAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
+                                cu_seqlens_q, cu_seqlens_k, scale, left, right, impl)
+
+
+def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                          sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          return_lse=False, backend="auto"):
+    """Sink attention on a packed batch of N variable-length sequences.
+
+    Args:
+        q: ``[Tq, HQ, D]``; k, v: ``[Tk, HKV, D]``; one dtype among fp16 / bf16 / fp32.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[N+1]``, sequence ``b`` owns tokens
+            ``cu[b]:cu[b+1]``.
+        max_seqlen_q, max_seqlen_k: ints, upper bounds of the lengths.
+        sinks: ``[HQ]`` raw logits (not scaled), any float dtype, or None.
+        softmax_scale: defaults to ``1/sqrt(D)``.
+        causal, window_size: ``visible(i, j) = lo(i) <= j < hi(i)`` bottom-right
+            aligned (see ``sinkattn.masks``); ``causal`` forces ``right = 0``.
+        return_lse: also return ``lse`` fp32 ``[HQ, Tq]`` (natural log, sink included).
+        backend: ``"auto"``, ``"cpu"`` or ``"reference"``.
+
+    For query head ``h`` (KV head ``h // G``) and row ``i`` of a sequence:
+
+        lse_i = log(exp(sink_h) + sum_{visible j} exp(scale <q_i, k_j>))
+        o_i   = sum_{visible j} exp(scale <q_i, k_j> - lse_i) v_j
+
+    Returns ``out [Tq, HQ, D]`` in q's dtype, or ``(out, lse)``.
+    """
+    validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
+    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_size, backend)
+    return (out, lse) if return_lse else out
+
+
+def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                   return_lse=False, backend="auto"):
+    """Sink attention on a dense batch: ``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]``.
+
+    Same function and options as ``sink_attn_varlen_func``; ``lse`` is fp32 ``[B, HQ, Sq]``.
+    """
+    validation.check_dense(q, k, v)
+    validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
+    B, Sq, HQ, D = q.shape
+    Sk, HKV = k.shape[1], k.shape[2]
+    steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
+                    steps * Sq, steps * Sk, sinks, softmax_scale, causal, window_size, backend)
+    out = out.view(B, Sq, HQ, D)
+    return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if return_lse else out

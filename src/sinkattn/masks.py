@@ -1,0 +1,68 @@
+"""The mask rule, in one place.
+
+Every backend, the reference and the tests derive visibility from this module.
+Rows and keys are aligned bottom-right (``offset = Lk - Lq``), as in flash-attn:
+
+    lo(i) = max(0, i + offset - left)      if left  >= 0 else 0
+    hi(i) = min(Lk, i + offset + right + 1) if right >= 0 else Lk
+    visible(i, j) = lo(i) <= j < hi(i)
+
+``causal=True`` is ``right = 0``.  Both bounds are non-decreasing in ``i``, so
+the keys seen by a block of rows ``[r0, r1)`` are ``[lo(r0), hi(r1 - 1))``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "normalize_window",
+    "row_key_bounds",
+    "visible",
+    "block_key_range",
+    "block_fully_visible",
+]
+
+
+def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """Fold ``causal`` into ``(left, right)``; ``-1`` means unbounded."""
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    return left, right
+
+
+def row_key_bounds(i, Lq: int, Lk: int, left: int, right: int):
+    """Half-open key range ``[lo, hi)`` visible to row ``i`` (int or int tensor).
+
+    ``hi <= lo`` means the row sees no key.
+    """
+    offset = Lk - Lq
+    if isinstance(i, torch.Tensor):
+        lo = (i + offset - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+        hi = (i + offset + right + 1).clamp(max=Lk) if right >= 0 else torch.full_like(i, Lk)
+        return lo, hi
+    lo = max(0, i + offset - left) if left >= 0 else 0
+    hi = min(Lk, i + offset + right + 1) if right >= 0 else Lk
+    return lo, hi
+
+
+def visible(rows: torch.Tensor, cols: torch.Tensor, Lq: int, Lk: int, left: int, right: int) -> torch.Tensor:
+    """Bool ``[len(rows), len(cols)]``: ``visible(i, j)`` for ``i in rows``, ``j in cols``."""
+    lo, hi = row_key_bounds(rows, Lq, Lk, left, right)
+    cols = cols.unsqueeze(0)
+    return (cols >= lo.unsqueeze(1)) & (cols < hi.unsqueeze(1))
+
+
+def block_key_range(r0: int, r1: int, Lq: int, Lk: int, left: int, right: int) -> tuple[int, int]:
+    """Keys ``[lo, hi)`` seen by at least one row of ``[r0, r1)`` (``hi <= lo``: none)."""
+    lo, _ = row_key_bounds(r0, Lq, Lk, left, right)
+    _, hi = row_key_bounds(r1 - 1, Lq, Lk, left, right)
+    return lo, hi
+
+
+def block_fully_visible(r0: int, r1: int, k0: int, k1: int, Lq: int, Lk: int, left: int, right: int) -> bool:
+    """True when every row of ``[r0, r1)`` sees every key of ``[k0, k1)``."""
+    lo_last, _ = row_key_bounds(r1 - 1, Lq, Lk, left, right)
+    _, hi_first = row_key_bounds(r0, Lq, Lk, left, right)
+    return lo_last <= k0 and hi_first >= k1

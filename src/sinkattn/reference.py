@@ -1,0 +1,102 @@
+"""The float64 golden: DESIGN.md §1 implemented literally, one sequence at a time.
+
+It materializes the ``[HQ, Lq, Lk]`` score matrix of each sequence, so it is for
+checking, not for speed. Inputs of any float dtype are cast up to float64
+first, so the golden sees exactly the low-precision values the backend saw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import masks
+
+__all__ = ["forward", "backward"]
+
+_NEG_INF = float("-inf")
+
+
+def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        yield cq[b], cq[b + 1], ck[b], ck[b + 1]
+
+
+def _probabilities(qb, kb, sink, scale, left, right):
+    """Per sequence: ``P [HQ, Lq, Lk]`` and ``lse [HQ, Lq]`` in float64.
+
+    ``qb [HQ, Lq, D]``, ``kb [HQ, Lk, D]`` (already expanded over the group),
+    ``sink [HQ]`` float64 (``-inf`` for no sink).
+    """
+    HQ, Lq, _ = qb.shape
+    Lk = kb.shape[1]
+    dev = qb.device
+    vis = masks.visible(torch.arange(Lq, device=dev), torch.arange(Lk, device=dev), Lq, Lk, left, right)
+    s = torch.where(vis, scale * qb @ kb.transpose(1, 2), _NEG_INF)           # [HQ, Lq, Lk]
+    row_max = s.amax(-1) if Lk > 0 else torch.full((HQ, Lq), _NEG_INF, dtype=torch.float64, device=dev)
+    m = torch.maximum(sink[:, None], row_max)                                  # sink joins the max
+    # A +inf sink makes m infinite; shifting by the key max instead keeps exp finite.
+    m_safe = torch.where(torch.isfinite(m), m, torch.where(torch.isfinite(row_max), row_max, 0.0))
+    e = torch.exp(s - m_safe[..., None])
+    z = torch.exp(sink[:, None] - m_safe) + e.sum(-1)                          # [HQ, Lq]
+    p = torch.where(vis, e / z[..., None], 0.0)                                # no key -> 0
+    lse = m_safe + torch.log(z)
+    return p, lse
+
+
+def _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1):
+    HQ, HKV = q.shape[1], k.shape[1]
+    G = HQ // HKV
+    qb = q[s0:s1].double().transpose(0, 1)                                     # [HQ, Lq, D]
+    kb = k[t0:t1].double().transpose(0, 1).repeat_interleave(G, 0)             # [HQ, Lk, D]
+    vb = v[t0:t1].double().transpose(0, 1).repeat_interleave(G, 0)
+    sink = sinks.double() if sinks is not None else torch.full((HQ,), _NEG_INF, dtype=torch.float64, device=q.device)
+    return qb, kb, vb, sink
+
+
+def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+    """``out [Tq, HQ, D]`` and ``lse [HQ, Tq]``, both float64.
+
+    ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None.
+    """
+    Tq, HQ, D = q.shape
+    out = torch.zeros(Tq, HQ, v.shape[-1], dtype=torch.float64, device=q.device)
+    lse = torch.full((HQ, Tq), _NEG_INF, dtype=torch.float64, device=q.device)
+    for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        qb, kb, vb, sink = _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1)
+        p, lse_b = _probabilities(qb, kb, sink, softmax_scale, left, right)
+        out[s0:s1] = (p @ vb).transpose(0, 1)
+        lse[:, s0:s1] = lse_b
+    return out, lse
+
+
+def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+    """``(dq, dk, dv, dsinks)`` in float64, from ``do [Tq, HQ, D]`` and ``dlse [HQ, Tq]`` or None.
+
+        dP = dO V^T,  Delta = <dO, o> - dlse,  dS = P (dP - Delta)
+        dq = scale dS K,  dk = scale sum_group dS^T Q,  dv = sum_group P^T dO
+        dsink_h = -sum_i exp(sink_h - lse_i) Delta_i   (0 where lse_i is infinite)
+    """
+    Tq, HQ, D = q.shape
+    HKV = k.shape[1]
+    G = HQ // HKV
+    f64 = dict(dtype=torch.float64, device=q.device)
+    dq, dk, dv = torch.zeros(q.shape, **f64), torch.zeros(k.shape, **f64), torch.zeros(v.shape, **f64)
+    dsinks = torch.zeros(HQ, **f64)
+    for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        qb, kb, vb, sink = _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1)
+        p, lse_b = _probabilities(qb, kb, sink, softmax_scale, left, right)
+        dob = do[s0:s1].double().transpose(0, 1)                               # [HQ, Lq, D]
+        ob = p @ vb
+        delta = (dob * ob).sum(-1)
+        if dlse is not None:
+            delta = delta - dlse[:, s0:s1].double()
+        ds = p * (dob @ vb.transpose(1, 2) - delta[..., None])                 # [HQ, Lq, Lk]
+        dq[s0:s1] = (softmax_scale * ds @ kb).transpose(0, 1)
+        Lk = t1 - t0
+        dk[t0:t1] = (softmax_scale * ds.transpose(1, 2) @ qb).view(HKV, G, Lk, -1).sum(1).transpose(0, 1)
+        dv[t0:t1] = (p.transpose(1, 2) @ dob).view(HKV, G, Lk, -1).sum(1).transpose(0, 1)
+        p_sink = torch.where(torch.isinf(lse_b), 0.0, torch.exp(sink[:, None] - lse_b))
+        dsinks -= (p_sink * delta).sum(-1)
+    return dq, dk, dv, dsinks

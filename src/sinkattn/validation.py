@@ -1,0 +1,124 @@
+"""Argument checks for the public API: each rule raises a ValueError or TypeError
+that names the argument, what was received and what is expected."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = ["check_varlen", "check_dense", "check_options", "FLOAT_DTYPES", "MAX_HEAD_DIM"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+_DTYPE_NAMES = "float16, bfloat16 or float32"
+
+
+def _tensor(name: str, x, rank: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if not x.dtype.is_floating_point or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(x.shape)}")
+
+
+def _qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
+    rank = token_dims + 2
+    _tensor("q", q, rank, layout_q)
+    _tensor("k", k, rank, layout_kv)
+    _tensor("v", v, rank, layout_kv)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape {layout_kv}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if token_dims == 2 and k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size B, got q {q.shape[0]}, k {k.shape[0]}")
+    HQ, D = q.shape[-2], q.shape[-1]
+    HKV, Dk = k.shape[-2], k.shape[-1]
+    if Dk != D:
+        raise ValueError(f"q and k must have the same head dim D, got q {D}, k {Dk}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D must be in 1..{MAX_HEAD_DIM}, got {D}")
+    if HQ < 1 or HKV < 1:
+        raise ValueError(f"head counts must be >= 1, got HQ={HQ}, HKV={HKV}")
+    if HQ % HKV != 0:
+        raise ValueError(f"query heads HQ={HQ} must be a multiple of KV heads HKV={HKV} (GQA group size HQ/HKV)")
+
+
+def _cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> list[int]:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor [N+1], got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}; use .to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D with N+1 >= 1 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
+    for b in range(len(values) - 1):
+        if values[b + 1] < values[b]:
+            raise ValueError(f"{name} must be non-decreasing, got {values[b]} then {values[b + 1]} at index {b}")
+    if values[-1] != total:
+        raise ValueError(f"{name}[-1] must equal the token count {total}, got {values[-1]}")
+    return values
+
+
+def _max_seqlen(name: str, value, lengths: list[int]) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    longest = max(lengths, default=0)
+    if value < longest:
+        raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest}); pass an upper bound")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Shapes of the packed API: ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``cu_seqlens_* int32 [N+1]``."""
+    _qkv(q, k, v, 1, "[Tq, HQ, D]", "[Tk, HKV, D]")
+    cq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    ck = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same number of sequences, "
+                         f"got {len(cq) - 1} and {len(ck) - 1}")
+    _max_seqlen("max_seqlen_q", max_seqlen_q, [b - a for a, b in zip(cq, cq[1:])])
+    _max_seqlen("max_seqlen_k", max_seqlen_k, [b - a for a, b in zip(ck, ck[1:])])
+
+
+def check_dense(q, k, v) -> None:
+    """Shapes of the dense API: ``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]``."""
+    _qkv(q, k, v, 2, "[B, Sq, HQ, D]", "[B, Sk, HKV, D]")
+
+
+def check_options(q, sinks, softmax_scale, causal, window_size, return_lse) -> None:
+    """The keyword options shared by both entry points."""
+    HQ = q.shape[-2]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor [HQ] or None, got {type(sinks).__name__}")
+        if not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must have a floating-point dtype, got {sinks.dtype}")
+        if tuple(sinks.shape) != (HQ,):
+            raise ValueError(f"sinks must have shape [HQ] = ({HQ},), got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size):
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window_size {side} must be an int >= -1, got {w!r}")
+        if w < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w}")
