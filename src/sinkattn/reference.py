@@ -95,8 +95,8 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
         ds = p * (dob @ vb.transpose(1, 2) - delta[..., None])                 # [HQ, Lq, Lk]
         dq[s0:s1] = (softmax_scale * ds @ kb).transpose(0, 1)
         Lk = t1 - t0
-        dk[t0:t1] = (softmax_scale * ds.transpose(1, 2) @ qb).view(HKV, G, Lk, -1).sum(1).transpose(0, 1)
-        dv[t0:t1] = (p.transpose(1, 2) @ dob).view(HKV, G, Lk, -1).sum(1).transpose(0, 1)
+        dk[t0:t1] = (softmax_scale * ds.transpose(1, 2) @ qb).view(HKV, G, Lk, D).sum(1).transpose(0, 1)
+        dv[t0:t1] = (p.transpose(1, 2) @ dob).view(HKV, G, Lk, D).sum(1).transpose(0, 1)
         p_sink = torch.where(torch.isinf(lse_b), 0.0, torch.exp(sink[:, None] - lse_b))
         dsinks -= (p_sink * delta).sum(-1)
     return dq, dk, dv, dsinks

@@ -1,0 +1,153 @@
+"""CPU path on PyTorch's fused flash-attention kernel, tile by tile.
+
+The kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``) streams keys
+with an online softmax, takes GQA without copying K/V, returns the log-sum-exp
+over keys, and has a backward that takes a log-sum-exp as input. Fed ``out = o``
+and ``logsumexp = lse`` *with* the sink, that backward recomputes
+``P = exp(S - lse)`` (the sink's probabilities) and ``Delta = <dO, o>``: exactly
+the sink attention backward. A ``dlse`` term rides on one extra head-dim column:
+``q, k, o += [0]``, ``v += [1]``, ``dO += [dlse]`` adds ``dlse_i`` to every
+``dP_ij``, i.e. ``Delta_i -> <dO_i, o_i> - dlse_i``.
+
+Masks map onto the kernel per sequence (``plan``): full attention is one call;
+causal is one top-left-causal call on the square diagonal part plus, when
+``Lk > Lq``, one unmasked call on the keys every row sees; anything else
+(windows) is cut into blocks of ``BLOCK_M`` rows, each given only its visible key
+range and a small additive mask where the block is partly visible. Blocks
+outside the limits are never computed; partial results over the same rows are
+merged by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import masks, sink
+from . import buffers
+from .layout import Span, groups, heads_first, stat_view, write, zero_unwritten
+
+__all__ = ["forward", "backward", "plan", "BLOCK_M"]
+
+BLOCK_M = 64
+"""Query rows per block on the windowed path."""
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows ``[r0, r1)`` against keys ``[k0, k1)`` of one sequence: one kernel call."""
+
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+    causal: bool = False                 # top-left causal on a square part
+    mask: torch.Tensor | None = None     # additive fp32 [r1 - r0, k1 - k0], 0 or -inf
+    has_key: torch.Tensor | None = None  # bool [r1 - r0]: the row sees a key of this part
+
+
+@functools.lru_cache(maxsize=512)
+def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tuple[Part, ...]:
+    """The kernel calls that cover exactly the visible (i, j) pairs of one sequence."""
+    if Lq == 0 or Lk == 0:
+        return ()
+    if left < 0 and right < 0:
+        return (Part(0, Lq, 0, Lk),)
+    offset = Lk - Lq
+    if left < 0 and right == 0:
+        if offset < 0:                   # rows [0, -offset) see no key
+            return (Part(-offset, Lq, 0, Lk, causal=True),)
+        diagonal = Part(0, Lq, offset, Lk, causal=True)
+        return ((Part(0, Lq, 0, offset),) if offset > 0 else ()) + (diagonal,)
+    parts = []
+    for r0 in range(0, Lq, block_m):
+        r1 = min(r0 + block_m, Lq)
+        k0, k1 = masks.block_key_range(r0, r1, Lq, Lk, left, right)
+        if k1 <= k0:
+            continue
+        if masks.block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right):
+            parts.append(Part(r0, r1, k0, k1))
+            continue
+        vis = masks.visible(torch.arange(r0, r1), torch.arange(k0, k1), Lq, Lk, left, right)
+        mask = torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF)
+        parts.append(Part(r0, r1, k0, k1, mask=mask, has_key=vis.any(1)))
+    return tuple(parts)
+
+
+def _merge(og, lg, o_p, lse_p, start: int, fresh: slice, seen: slice) -> None:
+    """Combine a part's ``(o_p, lse_p)`` over rows ``start:`` into the accumulators ``og``/``lg``.
+
+    Fresh rows are assigned; rows already holding a result over other keys are merged:
+    ``lse = logaddexp(lse_a, lse_b)``, ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``.
+    """
+    f = slice(fresh.start - start, fresh.stop - start)
+    og[:, :, fresh] = o_p[:, :, f]
+    lg[:, :, fresh] = lse_p[:, :, f]
+    if seen.stop > seen.start:
+        s = slice(seen.start - start, seen.stop - start)
+        lse_a, lse_b = lg[:, :, seen], lse_p[:, :, s]
+        lse_new = torch.logaddexp(lse_a, lse_b)
+        og[:, :, seen] = (og[:, :, seen] * sink.key_mass(lse_a, lse_new)[..., None]
+                          + o_p[:, :, s] * sink.key_mass(lse_b, lse_new)[..., None])
+        lg[:, :, seen] = lse_new
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+    """fp32 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``,
+    the softmax over visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none)."""
+    Tq, HQ, D = q.shape
+    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
+    lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
+    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
+        qg, kg, vg = heads_first(q, tq, n, Lq), heads_first(k, tk, n, Lk), heads_first(v, tk, n, Lk)
+        og, lg = heads_first(out, tq, n, Lq), stat_view(lse_keys, tq, n, Lq)
+        rows = Span()
+        for part in plan(Lq, Lk, left, right):
+            keys = slice(part.k0, part.k1)
+            o_p, lse_p = _FWD(qg[:, :, part.r0:part.r1], kg[:, :, keys], vg[:, :, keys], 0.0, part.causal,
+                              attn_mask=part.mask, scale=softmax_scale)    # [N, HQ, r, D], [N, HQ, r]
+            if part.has_key is not None:   # the kernel reports lse 0 on fully masked rows
+                lse_p = lse_p.masked_fill(~part.has_key, _NEG_INF)
+            _merge(og, lg, o_p, lse_p, part.r0, *rows.take(part.r0, part.r1))
+        zero_unwritten(rows, Lq, og)
+        zero_unwritten(rows, Lq, lg, value=_NEG_INF)
+    return out, lse_keys
+
+
+def backward(do, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+    """fp32 ``(dq, dk, dv)`` from fp32 ``do``, ``out`` (with sink) and ``lse [HQ, Tq]`` (with sink)."""
+    if dlse is not None:
+        q, k, out = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(out, (0, 1))
+        v = F.pad(v, (0, 1), value=1.0)
+        do = torch.cat([do, dlse.float().t()[..., None]], dim=-1)
+    # exp(S - lse) must be 0 on rows that see nothing; -inf - (-inf) would give NaN.
+    lse = lse.masked_fill(lse == _NEG_INF, float("inf"))
+    dq = buffers.new(q.shape, torch.float32, q.device)
+    dk = buffers.new(k.shape, torch.float32, q.device)
+    dv = buffers.new(v.shape, torch.float32, q.device)
+    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
+        qg, kg, vg = heads_first(q, tq, n, Lq), heads_first(k, tk, n, Lk), heads_first(v, tk, n, Lk)
+        dog, og, lg = heads_first(do, tq, n, Lq), heads_first(out, tq, n, Lq), stat_view(lse, tq, n, Lq)
+        dqg, dkg, dvg = heads_first(dq, tq, n, Lq), heads_first(dk, tk, n, Lk), heads_first(dv, tk, n, Lk)
+        rows_done, keys_done = Span(), Span()
+        for part in plan(Lq, Lk, left, right):
+            rows, keys = slice(part.r0, part.r1), slice(part.k0, part.k1)
+            dq_p, dk_p, dv_p = _BWD(dog[:, :, rows], qg[:, :, rows], kg[:, :, keys], vg[:, :, keys],
+                                    og[:, :, rows], lg[:, :, rows].contiguous(), 0.0, part.causal,
+                                    attn_mask=part.mask, scale=softmax_scale)
+            write(dqg, dq_p, part.r0, *rows_done.take(part.r0, part.r1))
+            fresh, seen = keys_done.take(part.k0, part.k1)
+            write(dkg, dk_p, part.k0, fresh, seen)
+            write(dvg, dv_p, part.k0, fresh, seen)
+        zero_unwritten(rows_done, Lq, dqg)
+        zero_unwritten(keys_done, Lk, dkg, dvg)
+    if dlse is not None:
+        dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
+    return dq, dk, dv
