@@ -1,0 +1,23 @@
+import pytest
+import torch
+
+from sinkattn.verify import TENSORS
+
+
+def describe(result) -> str:
+    """One line per tensor, for assertion messages."""
+    if result.error:
+        return result.error
+    lines = [f"{result.case.name} on {result.backend}: deterministic={result.deterministic}"]
+    for r in result.reports:
+        lines.append(f"  {r.name:6s} {r.dtype:8s} ratio={r.ratio:.4f} max_abs={r.max_abs_err:.3g} "
+                     f"special_ok={r.special_ok} gate_a={r.gate_a} waiver={r.waiver_ok}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+__all__ = ["describe", "TENSORS"]

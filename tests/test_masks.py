@@ -1,0 +1,48 @@
+"""The mask rule against DESIGN.md §1 written out directly, and the block helpers against it."""
+
+import itertools
+
+import pytest
+import torch
+
+from sinkattn import masks
+
+
+def _design_visible(i, j, Lq, Lk, causal, left, right):
+    offset = Lk - Lq
+    if causal:
+        right = 0
+    return ((not causal or j <= i + offset)
+            and (left < 0 or j >= i + offset - left)
+            and (right < 0 or j <= i + offset + right))
+
+
+SHAPES = [(7, 7), (5, 11), (11, 5), (1, 9), (9, 1), (0, 4), (4, 0)]
+WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (2, 3), (10, 0)]
+
+
+@pytest.mark.parametrize("Lq,Lk", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_visible_matches_design(Lq, Lk, causal, window):
+    left, right = masks.normalize_window(causal, window)
+    got = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    want = torch.tensor([[_design_visible(i, j, Lq, Lk, causal, *window) for j in range(Lk)]
+                         for i in range(Lq)], dtype=torch.bool).reshape(Lq, Lk)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("Lq,Lk", [(13, 13), (9, 17), (17, 9)])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_block_ranges_cover_exactly_the_visible_keys(Lq, Lk, window):
+    left, right = window
+    vis = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    for r0, r1 in itertools.combinations(range(Lq + 1), 2):
+        k0, k1 = masks.block_key_range(r0, r1, Lq, Lk, left, right)
+        cols = vis[r0:r1].any(0).nonzero().flatten()
+        if cols.numel() == 0:
+            assert k1 <= k0
+            continue
+        assert (k0, k1) == (int(cols.min()), int(cols.max()) + 1)
+        full = masks.block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right)
+        assert full == bool(vis[r0:r1, k0:k1].all())

@@ -1,0 +1,97 @@
+"""One test per input rule of DESIGN.md §2: the error type, and a message that names the argument."""
+
+import pytest
+import torch
+
+from sinkattn import sink_attn_func, sink_attn_varlen_func
+
+
+def _packed(Tq=10, Tk=12, HQ=4, HKV=2, D=8, dtype=torch.float32):
+    return dict(
+        q=torch.randn(Tq, HQ, D, dtype=dtype), k=torch.randn(Tk, HKV, D, dtype=dtype),
+        v=torch.randn(Tk, HKV, D, dtype=dtype),
+        cu_seqlens_q=torch.tensor([0, 4, Tq], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 5, Tk], dtype=torch.int32),
+        max_seqlen_q=6, max_seqlen_k=7)
+
+
+def _call(**changes):
+    args = _packed()
+    opts = {key: changes.pop(key) for key in list(changes) if key in
+            ("sinks", "softmax_scale", "causal", "window_size", "return_lse", "backend")}
+    args.update(changes)
+    return sink_attn_varlen_func(args.pop("q"), args.pop("k"), args.pop("v"), **args, **opts)
+
+
+RULES = [
+    # (id, changes, error type, words the message must contain)
+    ("q_not_tensor", dict(q=[[1.0]]), TypeError, ["q", "torch.Tensor"]),
+    ("q_int", dict(q=torch.ones(10, 4, 8, dtype=torch.int32)), TypeError, ["q", "int32"]),
+    ("q_float64", dict(q=torch.randn(10, 4, 8, dtype=torch.float64)), TypeError, ["q", "float64"]),
+    ("q_rank", dict(q=torch.randn(10, 32)), ValueError, ["q", "rank 3"]),
+    ("k_rank", dict(k=torch.randn(1, 12, 2, 8)), ValueError, ["k", "rank 3"]),
+    ("v_shape", dict(v=torch.randn(12, 2, 4)), ValueError, ["k and v", "same shape"]),
+    ("dtype_mismatch", dict(k=torch.randn(12, 2, 8, dtype=torch.float16)), TypeError, ["dtype", "float16"]),
+    ("head_dim_mismatch", dict(k=torch.randn(12, 2, 4), v=torch.randn(12, 2, 4)), ValueError, ["head dim"]),
+    ("head_dim_too_big", dict(q=torch.randn(10, 4, 257), k=torch.randn(12, 2, 257), v=torch.randn(12, 2, 257)),
+     ValueError, ["head dim", "256"]),
+    ("hq_not_multiple", dict(k=torch.randn(12, 3, 8), v=torch.randn(12, 3, 8)), ValueError, ["HQ=4", "HKV=3"]),
+    ("cu_not_tensor", dict(cu_seqlens_q=[0, 4, 10]), TypeError, ["cu_seqlens_q"]),
+    ("cu_int64", dict(cu_seqlens_q=torch.tensor([0, 4, 10])), TypeError, ["cu_seqlens_q", "int32"]),
+    ("cu_2d", dict(cu_seqlens_q=torch.tensor([[0, 4, 10]], dtype=torch.int32)), ValueError, ["cu_seqlens_q", "1-D"]),
+    ("cu_start", dict(cu_seqlens_q=torch.tensor([1, 4, 10], dtype=torch.int32)), ValueError,
+     ["cu_seqlens_q", "start at 0"]),
+    ("cu_decreasing", dict(cu_seqlens_k=torch.tensor([0, 8, 5, 12], dtype=torch.int32),
+                           cu_seqlens_q=torch.tensor([0, 4, 6, 10], dtype=torch.int32)), ValueError,
+     ["cu_seqlens_k", "non-decreasing"]),
+    ("cu_last", dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32)), ValueError,
+     ["cu_seqlens_q[-1]", "10"]),
+    ("cu_count_mismatch", dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError,
+     ["same number of sequences"]),
+    ("max_seqlen_small", dict(max_seqlen_q=5), ValueError, ["max_seqlen_q", "6"]),
+    ("max_seqlen_type", dict(max_seqlen_k=7.0), TypeError, ["max_seqlen_k", "int"]),
+    ("sinks_shape", dict(sinks=torch.randn(2)), ValueError, ["sinks", "(4,)"]),
+    ("sinks_int", dict(sinks=torch.ones(4, dtype=torch.int64)), TypeError, ["sinks", "floating"]),
+    ("sinks_list", dict(sinks=[0.0] * 4), TypeError, ["sinks"]),
+    ("window_not_pair", dict(window_size=(3,)), TypeError, ["window_size"]),
+    ("window_below", dict(window_size=(-2, 0)), ValueError, ["window_size", "left", ">= -1"]),
+    ("window_float", dict(window_size=(3.5, 0)), TypeError, ["window_size", "left"]),
+    ("causal_type", dict(causal=1), TypeError, ["causal", "bool"]),
+    ("return_lse_type", dict(return_lse="yes"), TypeError, ["return_lse"]),
+    ("scale_type", dict(softmax_scale="0.1"), TypeError, ["softmax_scale"]),
+    ("scale_nan", dict(softmax_scale=float("nan")), ValueError, ["softmax_scale", "finite"]),
+    ("backend_name", dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
+]
+
+
+@pytest.mark.parametrize("changes,error,words", [pytest.param(c, e, w, id=i) for i, c, e, w in RULES])
+def test_rule(changes, error, words):
+    with pytest.raises(error) as info:
+        _call(**changes)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+def test_dense_rank_and_batch():
+    q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    with pytest.raises(ValueError, match="rank 4"):
+        sink_attn_func(q[0], k[0], k[0])
+    with pytest.raises(ValueError, match="batch size"):
+        sink_attn_func(q, k[:1], k[:1])
+
+
+def test_device_mismatch_is_a_value_error():
+    args = _packed()
+    meta_k = torch.empty(12, 2, 8, device="meta")
+    with pytest.raises(ValueError, match="one device"):
+        sink_attn_varlen_func(args["q"], meta_k, meta_k, args["cu_seqlens_q"], args["cu_seqlens_k"], 6, 7)
+
+
+def test_explicit_backend_that_cannot_run_says_why():
+    from sinkattn import backends
+    call = backends.Call("cuda", torch.float16, 64, needs_grad=True)
+    with pytest.raises(NotImplementedError, match="'cpu'.*'cuda'"):
+        backends.choose("cpu", call)
+    with pytest.raises(NotImplementedError, match="reference"):
+        backends.choose("auto", call)
+    assert backends.choose("auto", backends.Call("cpu", torch.bfloat16, 256, True)).CAPABILITIES.name == "cpu"
