@@ -99,10 +99,35 @@ def _merge(og, lg, o_p, lse_p, start: int, fresh: slice, seen: slice) -> None:
         lg[:, :, seen] = lse_new
 
 
+def _single_call(cu_seqlens_q, cu_seqlens_k, left, right):
+    """``(N, Lq, Lk, part)`` when one kernel call covers the whole batch (a dense batch or one
+    sequence, with full or square causal attention), else None."""
+    runs = list(groups(cu_seqlens_q, cu_seqlens_k))
+    if len(runs) != 1:
+        return None
+    _, _, n, Lq, Lk = runs[0]
+    parts = plan(Lq, Lk, left, right)
+    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1, parts[0].k0, parts[0].k1) != (
+            0, Lq, 0, Lk):
+        return None
+    return n, Lq, Lk, parts[0]
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """Kernel result ``[N, H, L, D]`` (laid out as ``[N, L, H, D]``, like its inputs) -> ``[N*L, H, D]``."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
     """fp32 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``,
     the softmax over visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none)."""
     Tq, HQ, D = q.shape
+    single = _single_call(cu_seqlens_q, cu_seqlens_k, left, right)
+    if single is not None:             # the kernel's own result buffers, no copy
+        n, Lq, Lk, part = single
+        o, lse = _FWD(heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk), heads_first(v, 0, n, Lk), 0.0,
+                      part.causal, scale=softmax_scale)
+        return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
     out = buffers.new((Tq, HQ, D), torch.float32, q.device)
     lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
     for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
@@ -129,6 +154,14 @@ def backward(do, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_sc
         do = torch.cat([do, dlse.float().t()[..., None]], dim=-1)
     # exp(S - lse) must be 0 on rows that see nothing; -inf - (-inf) would give NaN.
     lse = lse.masked_fill(lse == _NEG_INF, float("inf"))
+    single = _single_call(cu_seqlens_q, cu_seqlens_k, left, right)
+    if single is not None:             # the kernel's own result buffers, no copy
+        n, Lq, Lk, part = single
+        grads = _BWD(heads_first(do, 0, n, Lq), heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk),
+                     heads_first(v, 0, n, Lk), heads_first(out, 0, n, Lq), stat_view(lse, 0, n, Lq).contiguous(),
+                     0.0, part.causal, scale=softmax_scale)
+        dq, dk, dv = (_tokens_first(g) for g in grads)
+        return (dq[..., :-1], dk[..., :-1], dv[..., :-1]) if dlse is not None else (dq, dk, dv)
     dq = buffers.new(q.shape, torch.float32, q.device)
     dk = buffers.new(k.shape, torch.float32, q.device)
     dv = buffers.new(v.shape, torch.float32, q.device)
