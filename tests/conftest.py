@@ -1,5 +1,11 @@
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():   # run the Triton kernels on CPU tensors through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from sinkattn.verify import TENSORS
 

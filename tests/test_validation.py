@@ -93,5 +93,5 @@ def test_explicit_backend_that_cannot_run_says_why():
     with pytest.raises(NotImplementedError, match="'cpu'.*'cuda'"):
         backends.choose("cpu", call)
     with pytest.raises(NotImplementedError, match="reference"):
-        backends.choose("auto", call)
+        backends.choose("auto", backends.Call("mps", torch.float16, 64, needs_grad=True))
     assert backends.choose("auto", backends.Call("cpu", torch.bfloat16, 256, True)).CAPABILITIES.name == "cpu"

@@ -18,20 +18,20 @@ __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, impl):
-        out_acc, lse = impl.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
-        ctx.save_for_backward(q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k)
+        out_acc, lse, extra = impl.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+        ctx.save_for_backward(q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k, *extra)
         ctx.options = (softmax_scale, left, right, impl)
         ctx.set_materialize_grads(False)
         return out_acc.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k, *extra = ctx.saved_tensors
         softmax_scale, left, right, impl = ctx.options
         if dout is None:
             dout = torch.zeros_like(q)
         dq, dk, dv, dsinks = impl.backward(dout.contiguous(), dlse, q, k, v, sinks, out_acc, lse,
-                                           cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+                                           cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, tuple(extra))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 

@@ -1,8 +1,8 @@
 """Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``:
 
     forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
-        -> (out [Tq, HQ, D], lse [HQ, Tq] fp32)
-    backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+        -> (out [Tq, HQ, D], lse [HQ, Tq] fp32, extra: tuple of tensors kept for the backward)
+    backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, extra)
         -> (dq, dk, dv, dsinks or None)
 """
 
@@ -15,12 +15,18 @@ from .capabilities import Call, Capabilities
 
 __all__ = ["NAMES", "load", "choose", "Call", "Capabilities"]
 
-NAMES = ("cpu", "reference")
-_AUTO = {"cpu": "cpu"}
+NAMES = ("cpu", "triton", "reference")
+_AUTO = {"cpu": "cpu", "cuda": "triton"}
 
 
 def load(name: str) -> ModuleType:
-    return importlib.import_module(f"{__name__}.{name}")
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:
+        if name == "triton":
+            raise NotImplementedError(
+                f"backend 'triton' needs the triton package ({exc}); pip install 'sinkattn[triton]'") from exc
+        raise
 
 
 def choose(backend: str, call: Call) -> ModuleType:
@@ -29,8 +35,8 @@ def choose(backend: str, call: Call) -> ModuleType:
         name = _AUTO.get(call.device_type)
         if name is None:
             raise NotImplementedError(
-                f"no fast backend for {call.device_type!r} tensors yet; pass backend='reference' "
-                f"(float64, materialized) or move the tensors to the CPU")
+                f"no fast backend for {call.device_type!r} tensors; pass backend='reference' "
+                f"(float64, materialized) or move the tensors to the CPU or a CUDA GPU")
     elif backend in NAMES:
         name = backend
     else:

@@ -7,10 +7,9 @@ Two paths compute the softmax over keys; the sink is added around them here
   under the mask. The fast path.
 * ``cpu_slab`` computes blocks of rows against their visible keys with plain
   matrix products, recomputing scores bitwise and summing ``Delta`` from the
-  same ``P`` and ``dP``. Taken when scores may be large enough (Cauchy-Schwarz
-  bound ``scale * max|q| * max|k| > SLAB_SCORE_BOUND``) for the fused kernel's
-  recomputation and ``Delta = <dO, o>`` to lose the exact cancellation of
-  peaked rows.
+  same ``P`` and ``dP``. Taken when scores may be large enough
+  (``scores.may_have_large_scores``) for the fused kernel's recomputation and
+  ``Delta = <dO, o>`` to lose the exact cancellation of peaked rows.
 
 fp16 / bf16 inputs are cast up once (the fp32 kernel is also far faster than
 the bf16 one on CPUs without bf16 matrix units); results are cast by the
@@ -25,8 +24,9 @@ import torch
 from .. import sink
 from . import cpu_fused, cpu_slab
 from .capabilities import Capabilities
+from .scores import may_have_large_scores
 
-__all__ = ["CAPABILITIES", "forward", "backward", "SLAB_SCORE_BOUND", "path_for"]
+__all__ = ["CAPABILITIES", "forward", "backward", "path_for"]
 
 CAPABILITIES = Capabilities(
     name="cpu",
@@ -35,29 +35,24 @@ CAPABILITIES = Capabilities(
     max_head_dim=256,
 )
 
-SLAB_SCORE_BOUND = 256.0
-
-
 def path_for(q32: torch.Tensor, k32: torch.Tensor, softmax_scale: float):
-    """The path module for these inputs: ``cpu_slab`` when |scores| can pass ``SLAB_SCORE_BOUND``."""
-    if q32.numel() == 0 or k32.numel() == 0:
-        return cpu_fused
-    bound = abs(softmax_scale) * float(q32.norm(dim=-1).max()) * float(k32.norm(dim=-1).max())
-    return cpu_slab if not bound <= SLAB_SCORE_BOUND else cpu_fused
+    """The path module for these inputs: ``cpu_slab`` when scores may be large."""
+    return cpu_slab if may_have_large_scores(q32, k32, softmax_scale) else cpu_fused
 
 
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None
-    -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32)``."""
+    -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32, ())``."""
     q32, k32, v32 = q.float(), k.float(), v.float()
     path = path_for(q32, k32, softmax_scale)
     out, lse_keys = path.forward(q32, k32, v32, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).t()[..., None]
-    return out, lse
+    return out, lse, ()
 
 
-def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
+             extra=()):
     """``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, the forward's inputs and fp32 ``out``/``lse``
     -> ``(dq, dk, dv)`` fp32 and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()

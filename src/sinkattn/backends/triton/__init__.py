@@ -1,0 +1,148 @@
+"""``backend="triton"``: fused Triton kernels for CUDA tensors (and CPU tensors under
+``TRITON_INTERPRET=1``, which is how CI runs them).
+
+Forward: one program per (query block, sequence, KV head) serving the group's
+query heads, sink as the starting maximum of the online softmax, lse out.
+Backward: a Delta kernel; a dK/dV kernel per (key block, sequence, KV head)
+looping over the group's query heads and the query blocks that see the keys;
+a dQ kernel per (query block, sequence, query head); dsinks reduced per head
+on the host in one fixed order. When scores may be large
+(``scores.may_have_large_scores``) the dQ kernel sums Delta itself from the
+products the gradients use (``EXACT_DELTA``). No atomics: results are bitwise reproducible.
+
+Head dims 1-256 run (padded inside the kernels to the next power of two, at
+least 16). fp32 inputs use IEEE fp32 dot products. ``COMPENSATED = True``
+turns on the hi/lo split of ``P`` and ``dS`` in the backward products for
+fp16 / bf16 (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from ... import sink
+from .. import buffers
+from ..capabilities import Capabilities
+from ..scores import may_have_large_scores
+from . import kernels
+from .config import blocks_for
+
+__all__ = ["CAPABILITIES", "forward", "backward", "COMPENSATED", "interpreting"]
+
+COMPENSATED: bool | None = None
+"""Split fp32 ``P`` / ``dS`` into a low-precision ``hi`` and ``lo = P - hi`` for the backward's
+matrix products (two products instead of one), for near-fp32 dQ/dK/dV from fp16/bf16 inputs.
+``None`` (default) turns it on for fp16 only: rounding ``P`` to fp16 (2^-11) in ``P^T dO`` leaves
+about 1.3% of dK/dV entries outside Gate A's fp16 rtol of 2^-9 (measured in the interpreter),
+while bf16's rtol of 2^-6 absorbs bf16 rounding."""
+
+
+def _compensated(dtype: torch.dtype) -> bool:
+    return (dtype == torch.float16) if COMPENSATED is None else (COMPENSATED and dtype != torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+CAPABILITIES = Capabilities(
+    name="triton",
+    device_types=frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    max_head_dim=256,
+)
+
+
+def _block_d(D: int) -> int:
+    return max(16, triton.next_power_of_2(D))
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """The interpreter's numpy dot has no bf16: multiply the bf16 values in fp32 there."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _sinks_or_minus_inf(sinks, HQ, device):
+    if sinks is None:
+        return torch.full((HQ,), float("-inf"), dtype=torch.float32, device=device)
+    return sinks.float().contiguous()
+
+
+def _max_len(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
+    (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
+    Tq, HQ, D = q.shape
+    HKV = k.shape[1]
+    N = cu_seqlens_q.numel() - 1
+    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
+    lse = buffers.new((HQ, Tq), torch.float32, q.device)
+    m2 = buffers.new((HQ, Tq), torch.float32, q.device)
+    log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
+    b = blocks_for(q.device, D, backward=False)
+    grid = (triton.cdiv(max(_max_len(cu_seqlens_q), 1), b.BM), N, HKV)
+    if N > 0 and Tq > 0:
+        kernels.fwd_kernel[grid](
+            q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            softmax_scale * kernels.LOG2E, left, right, D,
+            G=HQ // HKV, BLOCK_D=_block_d(D), BM=b.BM, BN=b.BN, PRECISION=_precision(q.dtype),
+            COMPENSATED=_compensated(q.dtype), UPCAST=_upcast(q.dtype), num_warps=b.num_warps,
+            num_stages=b.num_stages)
+    return out, lse, (m2, log2_l)
+
+
+def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
+             extra=()):
+    """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
+    Tq, HQ, D = q.shape
+    HKV = k.shape[1]
+    N = cu_seqlens_q.numel() - 1
+    dq = buffers.new(q.shape, torch.float32, q.device)
+    dk = buffers.new(k.shape, torch.float32, q.device)
+    dv = buffers.new(v.shape, torch.float32, q.device)
+    delta = buffers.new((HQ, Tq), torch.float32, q.device)
+    if dlse is not None:
+        dlse = dlse.float().contiguous()
+    exact_delta = may_have_large_scores(q, k, softmax_scale)
+    if Tq > 0 and not exact_delta:
+        block_t = 16 if interpreting() else 64
+        kernels.delta_kernel[(triton.cdiv(Tq, block_t), HQ)](
+            out, do, dlse if dlse is not None else delta, delta, Tq, out.stride(0), out.stride(1),
+            do.stride(0), do.stride(1), delta.stride(0), D,
+            HAS_DLSE=dlse is not None, BLOCK_T=block_t, BLOCK_D=_block_d(D))
+    m2, log2_l = extra
+    b = blocks_for(q.device, D, backward=True)
+    common = dict(G=HQ // HKV, BLOCK_D=_block_d(D), BM=b.BM, BN=b.BN, PRECISION=_precision(q.dtype),
+                  COMPENSATED=_compensated(q.dtype), UPCAST=_upcast(q.dtype), num_warps=b.num_warps,
+                  num_stages=b.num_stages)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               do.stride(0), do.stride(1), delta.stride(0))
+    scales = (softmax_scale * kernels.LOG2E, softmax_scale, left, right, D)
+    Tk = k.shape[0]
+    if N > 0 and Tq > 0:     # first: with exact_delta it writes the Delta that dK/dV reads
+        kernels.dq_kernel[(triton.cdiv(max(_max_len(cu_seqlens_q), 1), b.BM), N, HQ)](
+            q, k, v, do, m2, log2_l, dlse if dlse is not None else delta, delta, dq, cu_seqlens_q, cu_seqlens_k,
+            *strides, dq.stride(0), dq.stride(1), *scales, EXACT_DELTA=exact_delta, HAS_DLSE=dlse is not None,
+            **common)
+    if N > 0 and Tk > 0:
+        kernels.dkdv_kernel[(triton.cdiv(max(_max_len(cu_seqlens_k), 1), b.BN), N, HKV)](
+            q, k, v, do, m2, log2_l, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scales, **common)
+    dsinks = sink.dsinks_from(sinks, lse, delta) if sinks is not None else None
+    return dq, dk, dv, dsinks
+
+
+del math

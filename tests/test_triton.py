@@ -1,0 +1,68 @@
+"""The Triton backend's real kernels, on this machine through ``TRITON_INTERPRET=1`` (set in
+conftest when there is no GPU), against the float64 golden. Cases are scaled down (lengths <= 64,
+heads <= 4, D <= 32) so the interpreter stays within CI's budget."""
+
+import pytest
+import torch
+
+from sinkattn import cases, verify
+from sinkattn.backends import triton as triton_backend
+from conftest import describe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _small(case):
+    return case.scaled(max_len=64, max_heads=4, max_dim=32)
+
+
+def _params(level, **marks):
+    mark = getattr(pytest.mark, level)
+    return [pytest.param(_small(c), id=_small(c).name, marks=mark) for c in cases.cases(level)]
+
+
+@pytest.mark.parametrize("case", _params("L0") + _params("boundary"))
+def test_triton_gate_a(case):
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_triton_random_packed(seed):
+    case = cases.random_packed(seed, max_seqs=4, max_len=100)
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(_small(c), id=_small(c).name) for c in cases.cases("L2")
+    if c.dtype != torch.float16 or c.D in (1, 80, 256) or c.window_size != (-1, -1) or c.lse_grad])
+def test_triton_l2_shapes_and_dtypes(case):
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)
+
+
+@pytest.mark.parametrize("D", [80, 256])
+def test_triton_full_head_dims(D):
+    case = cases.Case("L2", 2, 2, (40,), (40,), D=D)
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)
+
+
+@pytest.mark.determinism
+@pytest.mark.parametrize("case", [pytest.param(_small(c), id=_small(c).name) for c in cases.cases("L0")[:4]])
+def test_triton_bitwise_deterministic(case):
+    result = verify.run_case(case, "triton", repeats=3, device=DEVICE)
+    assert result.deterministic is True, describe(result)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compensated_backward_is_more_accurate(dtype, monkeypatch):
+    case = cases.Case("L2", 4, 2, (64,), (64,), D=32, dtype=dtype)
+    errors = {}
+    for flag in (False, True):
+        monkeypatch.setattr(triton_backend, "COMPENSATED", flag)
+        result = verify.run_case(case, "triton", device=DEVICE)
+        errors[flag] = {r.name: r.rms_rel_err for r in result.reports}
+    for name in ("dq", "dk", "dv"):
+        assert errors[True][name] < errors[False][name], (name, errors)
