@@ -43,7 +43,7 @@ def sink_mass(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def row_delta(do: torch.Tensor, o: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """``[HQ, T]`` fp32: ``Delta = <dO, o> - dlse`` from ``do``/``o`` of shape ``[T, HQ, D]``."""
-    delta = (do.float() * o.float()).sum(-1).t()
+    delta = torch.linalg.vecdot(do.float(), o.float()).t()
     if dlse is not None:
         delta = delta - dlse.float()
     return delta

@@ -42,13 +42,13 @@ def path_for(q32: torch.Tensor, k32: torch.Tensor, softmax_scale: float):
 
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None
-    -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32, ())``."""
+    -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32, (took_slab_path,))``."""
     q32, k32, v32 = q.float(), k.float(), v.float()
     path = path_for(q32, k32, softmax_scale)
     out, lse_keys = path.forward(q32, k32, v32, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).t()[..., None]
-    return out, lse, ()
+    return out, lse, (torch.tensor(path is cpu_slab),)
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
@@ -56,8 +56,7 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     """``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, the forward's inputs and fp32 ``out``/``lse``
     -> ``(dq, dk, dv)`` fp32 and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
-    path = path_for(q32, k32, softmax_scale)
-    if path is cpu_slab:
+    if bool(extra[0]) if extra else may_have_large_scores(q32, k32, softmax_scale):
         dq, dk, dv = cpu_slab.backward(do32, dlse, q32, k32, v32, sinks, cu_seqlens_q, cu_seqlens_k,
                                        softmax_scale, left, right)
     else:

@@ -1,0 +1,28 @@
+"""The benchmark scripts run end to end (smoke size); they print figures and never assert speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_benchmark_quick(tmp_path):
+    out = tmp_path / "cpu.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["section"] for r in rows} == {"speed", "memory", "window"}
+    assert "vs sdpa" in run.stdout and "peak growth" in run.stdout
+
+
+def test_gpu_benchmark_correctness_part_without_gpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--json", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["correctness"] and all(r["passed"] for r in report["correctness"])
+    assert "verdict: correctness PASS" in run.stdout
