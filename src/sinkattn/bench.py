@@ -1,0 +1,354 @@
+"""Timing sinkattn against the attention a user has today, on this machine, in one run.
+
+Providers (each says why when it cannot run a problem):
+
+* ``sinkattn``  this library, ``backend="auto"``;
+* ``sdpa``      ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)``, no sinks;
+* ``sdpa_lse``  PyTorch's fused kernel returning its log-sum-exp, corrected for the sink
+  (``o * exp(lse - logaddexp(lse, sink))``): the same forward function. PyTorch does not
+  differentiate through that lse, so its backward misses the lse path (timed all the same);
+* ``eager``     Hugging Face gpt-oss eager sink attention (``sinkattn.eager``), scores materialized;
+* ``flex_lse``  FlexAttention with its lse and the same correction (CUDA only);
+* ``flash_attn`` flash-attn's ``flash_attn_func``, no sinks (CUDA, when installed).
+
+Every figure is a median over ``repeats`` after ``warmup`` runs, with providers
+interleaved so they share the machine's noise; FLOP rates count visible pairs
+only (``sinkattn.flops``); peak memory is the growth over the run (CUDA
+allocator peak, or the process's peak RSS on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import __version__, eager, flops
+from .interface import sink_attn_func
+
+__all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header"]
+
+MODES = ("fwd", "bwd", "fwdbwd")
+
+
+@dataclass(frozen=True)
+class Problem:
+    B: int
+    S: int
+    HQ: int
+    HKV: int
+    D: int
+    dtype: str = "float32"
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def label(self) -> str:
+        w = "" if self.window == (-1, -1) else f" w{self.window[0]}_{self.window[1]}"
+        return (f"B={self.B} S={self.S} HQ={self.HQ} HKV={self.HKV} D={self.D} {self.dtype}"
+                f"{' causal' if self.causal else ''}{w}")
+
+    def flops(self, mode: str) -> float:
+        left, right = self.window[0], 0 if self.causal else self.window[1]
+        return self.B * flops.attention_flops([self.S], [self.S], self.HQ, self.D, left, right, mode)
+
+
+@dataclass
+class Row:
+    problem: Problem
+    provider: str
+    mode: str
+    ms: float | None = None
+    gflops: float | None = None
+    vs_best_peer: float | None = None     # sinkattn's row: best peer time / sinkattn time
+    peak_mem_mib: float | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["problem"] = asdict(self.problem) | {"label": self.problem.label}
+        return d
+
+
+def _sweep(S_list, **kw):
+    return [Problem(S=s, **kw) for s in S_list]
+
+
+CONFIGS = {
+    "cpu-default": _sweep([256, 512, 1024, 2048], B=1, HQ=16, HKV=4, D=64),
+    "cpu-quick": _sweep([64, 128], B=1, HQ=4, HKV=2, D=32),
+    "cpu-window": _sweep([1024, 2048, 4096], B=1, HQ=16, HKV=4, D=64, window=(511, 0)),
+    "gpu-default": _sweep([512, 1024, 2048, 4096], B=8, HQ=64, HKV=4, D=128, dtype="bfloat16"),
+}
+
+
+def _inputs(p: Problem, device):
+    g = torch.Generator().manual_seed(0)
+    shape_q, shape_kv = (p.B, p.S, p.HQ, p.D), (p.B, p.S, p.HKV, p.D)
+    q, k, v = (torch.randn(s, generator=g).to(device=device, dtype=p.torch_dtype)
+               for s in (shape_q, shape_kv, shape_kv))
+    sinks = torch.randn(p.HQ, generator=g).to(device)
+    return q, k, v, sinks
+
+
+def _heads_first(*xs):
+    return [x.transpose(1, 2) for x in xs]
+
+
+def _sdpa(p, q, k, v, sinks):
+    if p.window != (-1, -1):
+        return None, "no sliding window in SDPA without a dense mask"
+
+    def fn(q, k, v, sinks):
+        a, b, c = _heads_first(q, k, v)
+        return F.scaled_dot_product_attention(a, b, c, is_causal=p.causal, enable_gqa=True).transpose(1, 2)
+    return fn, "no sinks"
+
+
+def _sink_correction(o, lse, sinks):
+    """``o [B, H, S, D]``, ``lse [B, H, S]``: the sink's share taken out of ``o``."""
+    keep = torch.exp(lse - torch.logaddexp(lse, sinks.float().view(1, -1, 1)))
+    return (o.float() * keep[..., None]).to(o.dtype)
+
+
+def _sdpa_lse(p, q, k, v, sinks):
+    if q.device.type != "cpu":
+        return None, "CPU kernel only"
+    if p.window != (-1, -1):
+        return None, "no sliding window in SDPA without a dense mask"
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def fn(q, k, v, sinks):
+        a, b, c = _heads_first(q, k, v)
+        o, lse = op(a, b, c, 0.0, p.causal)
+        return _sink_correction(o, lse, sinks).transpose(1, 2)
+    return fn, "backward misses the lse path"
+
+
+def _eager(p, q, k, v, sinks):
+    scores = p.B * p.HQ * p.S * p.S * q.element_size()
+    if scores > 4 * 2**30:
+        return None, f"scores alone need {scores / 2**30:.1f} GiB"
+
+    def fn(q, k, v, sinks):
+        return eager.sink_attention_dense(q, k, v, sinks.to(q.dtype), causal=p.causal, window_size=p.window)[0]
+    return fn, ""
+
+
+def _flex_lse(p, q, k, v, sinks):
+    if q.device.type != "cuda":
+        return None, "FlexAttention runs compiled on CUDA here"
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    left = p.window[0]
+
+    def mask_mod(b, h, i, j):
+        vis = (j <= i) if p.causal else (i >= 0)
+        return vis & (i - j <= left) if left >= 0 else vis
+
+    block_mask = create_block_mask(mask_mod, None, None, p.S, p.S, device=q.device)
+    flex = torch.compile(flex_attention)
+
+    def fn(q, k, v, sinks):
+        a, b, c = _heads_first(q, k, v)
+        o, lse = flex(a, b, c, block_mask=block_mask, enable_gqa=True, return_lse=True)
+        return _sink_correction(o, lse, sinks).transpose(1, 2)
+    return fn, ""
+
+
+def _flash_attn(p, q, k, v, sinks):
+    if q.device.type != "cuda":
+        return None, "CUDA only"
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None, "flash-attn not installed"
+
+    def fn(q, k, v, sinks):
+        return flash_attn_func(q, k, v, causal=p.causal, window_size=p.window)
+    return fn, "no sinks"
+
+
+def _sinkattn(p, q, k, v, sinks):
+    def fn(q, k, v, sinks):
+        return sink_attn_func(q, k, v, sinks=sinks, causal=p.causal, window_size=p.window)
+    return fn, ""
+
+
+PROVIDERS = {"sinkattn": _sinkattn, "sdpa": _sdpa, "sdpa_lse": _sdpa_lse, "eager": _eager,
+             "flex_lse": _flex_lse, "flash_attn": _flash_attn}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _rss_bytes(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak(device) -> int | None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _rss_bytes("VmRSS:")
+
+
+def _peak_growth(device, base) -> float | None:
+    if base is None:
+        return None
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_bytes("VmHWM:")
+    return None if peak is None else max(0, peak - base) / 2**20
+
+
+def _step(fn, inputs, mode):
+    """One timed unit of ``mode``; returns a callable that runs it."""
+    if mode == "fwd":
+        def run():
+            with torch.no_grad():
+                fn(*inputs)
+        return run
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    if mode == "fwdbwd":
+        def run():
+            out = fn(*leaves)
+            out.backward(torch.ones_like(out))
+        return run
+    out = fn(*leaves)
+    grad = torch.ones_like(out)
+
+    def run():
+        torch.autograd.grad(out, leaves, grad, retain_graph=True, allow_unused=True)
+    return run
+
+
+def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("fwd", "fwdbwd"),
+        repeats=3, warmup=1, device="cpu", progress=None) -> list[Row]:
+    """Measure every (problem, provider, mode); ``progress(advance_by_one)`` is called per unit."""
+    device = torch.device(device)
+    rows = []
+    for p in problems:
+        inputs = _inputs(p, device)
+        built = {name: PROVIDERS[name](p, *inputs) for name in providers}
+        for mode in modes:
+            steps, mode_rows = {}, {}
+            for name, (fn, note) in built.items():
+                row = Row(p, name, mode, note=note)
+                mode_rows[name] = row
+                if fn is None:
+                    continue
+                try:
+                    steps[name] = _step(fn, inputs, mode)
+                    base = _reset_peak(device)
+                    for _ in range(warmup):
+                        steps[name]()
+                    _sync(device)
+                    row.peak_mem_mib = _peak_growth(device, base)
+                except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
+                    row.note = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+                    steps.pop(name, None)
+            samples = {name: [] for name in steps}
+            for _ in range(repeats):
+                for name, step in steps.items():
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    step()
+                    _sync(device)
+                    samples[name].append(time.perf_counter() - t0)
+            for name, s in samples.items():
+                row = mode_rows[name]
+                row.ms = statistics.median(s) * 1e3
+                row.gflops = p.flops(mode) / (row.ms * 1e-3) / 1e9
+            peers = [r.ms for n, r in mode_rows.items() if n != "sinkattn" and r.ms is not None]
+            ours = mode_rows.get("sinkattn")
+            if ours is not None and ours.ms is not None and peers:
+                ours.vs_best_peer = min(peers) / ours.ms
+            rows.extend(mode_rows.values())
+            if progress is not None:
+                progress()
+    return rows
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def header(device="cpu") -> dict:
+    info = dict(machine=_cpu_model(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+                python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
+                commit=_commit())
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def plot(rows: list[Row], path: str, title: str) -> None:
+    """Time against sequence length per provider, one panel per mode (log-log)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for provider in dict.fromkeys(r.provider for r in rows):
+            pts = sorted((r.problem.S, r.ms) for r in rows if r.mode == mode and r.provider == provider
+                         and r.ms is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=provider, linewidth=2.5 if provider == "sinkattn" else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length S")
+        ax.set_ylabel("median time (ms)")
+        ax.set_title(mode)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
