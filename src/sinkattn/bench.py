@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import __version__, eager, flops
-from .interface import sink_attn_func
+from .interface import sink_attn_func, sink_attn_varlen_func
 
 __all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header"]
 
@@ -47,20 +47,25 @@ class Problem:
     dtype: str = "float32"
     causal: bool = True
     window: tuple[int, int] = (-1, -1)
+    lens: tuple[int, ...] | None = None   # a packed batch of these lengths instead of B x S
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
     @property
+    def seq_lens(self) -> list[int]:
+        return list(self.lens) if self.lens is not None else [self.S] * self.B
+
+    @property
     def label(self) -> str:
         w = "" if self.window == (-1, -1) else f" w{self.window[0]}_{self.window[1]}"
-        return (f"B={self.B} S={self.S} HQ={self.HQ} HKV={self.HKV} D={self.D} {self.dtype}"
-                f"{' causal' if self.causal else ''}{w}")
+        shape = f"packed{list(self.lens)}" if self.lens is not None else f"B={self.B} S={self.S}"
+        return f"{shape} HQ={self.HQ} HKV={self.HKV} D={self.D} {self.dtype}{' causal' if self.causal else ''}{w}"
 
     def flops(self, mode: str) -> float:
         left, right = self.window[0], 0 if self.causal else self.window[1]
-        return self.B * flops.attention_flops([self.S], [self.S], self.HQ, self.D, left, right, mode)
+        return flops.attention_flops(self.seq_lens, self.seq_lens, self.HQ, self.D, left, right, mode)
 
 
 @dataclass
@@ -89,12 +94,18 @@ CONFIGS = {
     "cpu-quick": _sweep([64, 128], B=1, HQ=4, HKV=2, D=32),
     "cpu-window": _sweep([1024, 2048, 4096], B=1, HQ=16, HKV=4, D=64, window=(511, 0)),
     "gpu-default": _sweep([512, 1024, 2048, 4096], B=8, HQ=64, HKV=4, D=128, dtype="bfloat16"),
+    # issue 3: the Ascend kernel's configuration, dense S=8192, a packed batch with window (127, 0)
+    "gpu-targets": [Problem(8, 2048, 64, 4, 128, dtype=dt) for dt in ("float16", "bfloat16")]
+    + [Problem(1, 8192, 32, 4, 128, dtype="bfloat16"),
+       Problem(6, 3000, 32, 4, 128, dtype="bfloat16", window=(127, 0), lens=(3000, 1000, 517, 2048, 129, 700))],
 }
 
 
 def _inputs(p: Problem, device):
+    """Dense ``[B, S, H, D]`` tensors, or packed ``[T, H, D]`` ones for ``p.lens``."""
     g = torch.Generator().manual_seed(0)
-    shape_q, shape_kv = (p.B, p.S, p.HQ, p.D), (p.B, p.S, p.HKV, p.D)
+    tokens = (sum(p.lens),) if p.lens is not None else (p.B, p.S)
+    shape_q, shape_kv = (*tokens, p.HQ, p.D), (*tokens, p.HKV, p.D)
     q, k, v = (torch.randn(s, generator=g).to(device=device, dtype=p.torch_dtype)
                for s in (shape_q, shape_kv, shape_kv))
     sinks = torch.randn(p.HQ, generator=g).to(device)
@@ -105,7 +116,13 @@ def _heads_first(*xs):
     return [x.transpose(1, 2) for x in xs]
 
 
+def _cu(p: Problem, device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(p.seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
 def _sdpa(p, q, k, v, sinks):
+    if p.lens is not None:
+        return None, "dense batches only"
     if p.window != (-1, -1):
         return None, "no sliding window in SDPA without a dense mask"
 
@@ -122,6 +139,8 @@ def _sink_correction(o, lse, sinks):
 
 
 def _sdpa_lse(p, q, k, v, sinks):
+    if p.lens is not None:
+        return None, "dense batches only"
     if q.device.type != "cpu":
         return None, "CPU kernel only"
     if p.window != (-1, -1):
@@ -136,9 +155,16 @@ def _sdpa_lse(p, q, k, v, sinks):
 
 
 def _eager(p, q, k, v, sinks):
-    scores = p.B * p.HQ * p.S * p.S * q.element_size()
+    scores = max(p.seq_lens) ** 2 * p.HQ * q.element_size() * (1 if p.lens is not None else p.B)
     if scores > 4 * 2**30:
         return None, f"scores alone need {scores / 2**30:.1f} GiB"
+    if p.lens is not None:
+        cu = _cu(p, q.device)
+
+        def packed(q, k, v, sinks):
+            return eager.sink_attention_varlen(q, k, v, cu, cu, sinks.to(q.dtype), causal=p.causal,
+                                               window_size=p.window)[0]
+        return packed, "one sequence at a time"
 
     def fn(q, k, v, sinks):
         return eager.sink_attention_dense(q, k, v, sinks.to(q.dtype), causal=p.causal, window_size=p.window)[0]
@@ -150,22 +176,33 @@ def _flex_lse(p, q, k, v, sinks):
         return None, "FlexAttention runs compiled on CUDA here"
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     left = p.window[0]
+    packed = p.lens is not None
+    doc = torch.repeat_interleave(torch.arange(len(p.seq_lens), device=q.device),
+                                  torch.tensor(p.seq_lens, device=q.device))
 
     def mask_mod(b, h, i, j):
         vis = (j <= i) if p.causal else (i >= 0)
+        if packed:
+            vis = vis & (doc[i] == doc[j])
         return vis & (i - j <= left) if left >= 0 else vis
 
-    block_mask = create_block_mask(mask_mod, None, None, p.S, p.S, device=q.device)
+    L = sum(p.seq_lens) if packed else p.S
+    block_mask = create_block_mask(mask_mod, None, None, L, L, device=q.device)
     flex = torch.compile(flex_attention)
 
     def fn(q, k, v, sinks):
+        if packed:
+            q, k, v = q[None], k[None], v[None]
         a, b, c = _heads_first(q, k, v)
         o, lse = flex(a, b, c, block_mask=block_mask, enable_gqa=True, return_lse=True)
-        return _sink_correction(o, lse, sinks).transpose(1, 2)
-    return fn, ""
+        out = _sink_correction(o, lse, sinks).transpose(1, 2)
+        return out[0] if packed else out
+    return fn, "sink added through its lse"
 
 
 def _flash_attn(p, q, k, v, sinks):
+    if p.lens is not None:
+        return None, "dense batches only here"
     if q.device.type != "cuda":
         return None, "CUDA only"
     try:
@@ -179,6 +216,14 @@ def _flash_attn(p, q, k, v, sinks):
 
 
 def _sinkattn(p, q, k, v, sinks):
+    if p.lens is not None:
+        cu, longest = _cu(p, q.device), max(p.seq_lens)
+
+        def packed(q, k, v, sinks):
+            return sink_attn_varlen_func(q, k, v, cu, cu, longest, longest, sinks=sinks, causal=p.causal,
+                                         window_size=p.window)
+        return packed, ""
+
     def fn(q, k, v, sinks):
         return sink_attn_func(q, k, v, sinks=sinks, causal=p.causal, window_size=p.window)
     return fn, ""

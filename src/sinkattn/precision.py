@@ -137,6 +137,9 @@ def check(name: str, actual: torch.Tensor, golden: torch.Tensor, baseline: torch
         rounding = torch.finfo(dtype or actual.dtype).eps * scale
         bound = base_max + rounding if not math.isnan(base_max) else math.inf
         report.baseline_max_abs_err = base_max
-        report.gate_b_factor = report.max_abs_err / bound if bound > 0 else (0.0 if report.max_abs_err == 0 else math.inf)
+        if bound > 0:
+            report.gate_b_factor = report.max_abs_err / bound
+        else:
+            report.gate_b_factor = 0.0 if report.max_abs_err == 0 else math.inf
         report.gate_b = (not math.isnan(report.max_abs_err)) and report.gate_b_factor <= GATE_B_FACTOR[kind]
     return report

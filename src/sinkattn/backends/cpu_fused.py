@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import masks, sink
 from . import buffers
-from .layout import Span, groups, heads_first, stat_view, write, zero_unwritten
+from .layout import Span, group_views, groups, heads_first, stat_view, write, zero_unwritten
 
 __all__ = ["forward", "backward", "plan", "BLOCK_M"]
 
@@ -130,9 +130,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
         return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
     out = buffers.new((Tq, HQ, D), torch.float32, q.device)
     lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
-    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
-        qg, kg, vg = heads_first(q, tq, n, Lq), heads_first(k, tk, n, Lk), heads_first(v, tk, n, Lk)
-        og, lg = heads_first(out, tq, n, Lq), stat_view(lse_keys, tq, n, Lq)
+    for _, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(cu_seqlens_q, cu_seqlens_k, (q, out), (k, v),
+                                                             (lse_keys,)):
         rows = Span()
         for part in plan(Lq, Lk, left, right):
             keys = slice(part.k0, part.k1)
@@ -165,10 +164,8 @@ def backward(do, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_sc
     dq = buffers.new(q.shape, torch.float32, q.device)
     dk = buffers.new(k.shape, torch.float32, q.device)
     dv = buffers.new(v.shape, torch.float32, q.device)
-    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
-        qg, kg, vg = heads_first(q, tq, n, Lq), heads_first(k, tk, n, Lk), heads_first(v, tk, n, Lk)
-        dog, og, lg = heads_first(do, tq, n, Lq), heads_first(out, tq, n, Lq), stat_view(lse, tq, n, Lq)
-        dqg, dkg, dvg = heads_first(dq, tq, n, Lq), heads_first(dk, tk, n, Lk), heads_first(dv, tk, n, Lk)
+    for _, Lq, Lk, (qg, dog, og, dqg), (kg, vg, dkg, dvg), (lg,) in group_views(
+            cu_seqlens_q, cu_seqlens_k, (q, do, out, dq), (k, v, dk, dv), (lse,)):
         rows_done, keys_done = Span(), Span()
         for part in plan(Lq, Lk, left, right):
             rows, keys = slice(part.r0, part.r1), slice(part.k0, part.k1)

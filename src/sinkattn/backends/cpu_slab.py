@@ -25,7 +25,7 @@ import torch
 
 from .. import masks
 from . import buffers
-from .layout import Span, groups, heads_first, stat_view, write, zero_unwritten
+from .layout import Span, group_views, write, zero_unwritten
 
 __all__ = ["forward", "backward", "SLAB_ELEMENTS"]
 
@@ -88,9 +88,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
     HKV = k.shape[1]
     out = buffers.new((Tq, HQ, D), torch.float32, q.device)
     lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
-    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
-        qg, kg, vg = heads_first(q, tq, n, Lq), heads_first(k, tk, n, Lk), heads_first(v, tk, n, Lk)
-        og, lg = heads_first(out, tq, n, Lq), stat_view(lse_keys, tq, n, Lq)
+    for n, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(cu_seqlens_q, cu_seqlens_k, (q, out), (k, v),
+                                                             (lse_keys,)):
         rows = Span()
         for r0, r1, k0, k1, vis in _blocks(n, HQ, Lq, Lk, left, right):
             s = _scores(_stack_group(qg[:, :, r0:r1], HKV), kg[:, :, k0:k1], vis, HQ // HKV, softmax_scale)
@@ -116,11 +115,9 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
     dq = buffers.new(q.shape, torch.float32, q.device)
     dk = buffers.new(k.shape, torch.float32, q.device)
     dv = buffers.new(v.shape, torch.float32, q.device)
-    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
-        qg, kg, vg = heads_first(q, tq, n, Lq), heads_first(k, tk, n, Lk), heads_first(v, tk, n, Lk)
-        dog = heads_first(do, tq, n, Lq)
-        dlg = stat_view(dlse.float(), tq, n, Lq) if dlse is not None else None
-        dqg, dkg, dvg = heads_first(dq, tq, n, Lq), heads_first(dk, tk, n, Lk), heads_first(dv, tk, n, Lk)
+    dlse = dlse.float() if dlse is not None else None
+    for n, Lq, Lk, (qg, dog, dqg), (kg, vg, dkg, dvg), (dlg,) in group_views(
+            cu_seqlens_q, cu_seqlens_k, (q, do, dq), (k, v, dk, dv), (dlse,)):
         rows_done, keys_done = Span(), Span()
         for r0, r1, k0, k1, vis in _blocks(n, HQ, Lq, Lk, left, right):
             qs = _stack_group(qg[:, :, r0:r1], HKV)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["groups", "heads_first", "stat_view", "Span", "write"]
+__all__ = ["groups", "group_views", "heads_first", "stat_view", "Span", "write", "zero_unwritten"]
 
 
 def groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
@@ -22,6 +22,15 @@ def groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
         return
     for b in range(n):
         yield cq[b], ck[b], 1, cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+
+
+def group_views(cu_seqlens_q, cu_seqlens_k, queries=(), keys=(), stats=()):
+    """Per run of ``groups``: ``(n, Lq, Lk, query_views, key_views, stat_views)``, the heads-first
+    views ``[N, H, L, D]`` of the query-side and key-side ``[T, H, D]`` tensors and ``[N, H, Lq]``
+    views of the ``[H, Tq]`` statistics (None stays None)."""
+    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
+        yield (n, Lq, Lk, [heads_first(x, tq, n, Lq) for x in queries], [heads_first(x, tk, n, Lk) for x in keys],
+               [None if s is None else stat_view(s, tq, n, Lq) for s in stats])
 
 
 def heads_first(x: torch.Tensor, t0: int, n: int, length: int) -> torch.Tensor:

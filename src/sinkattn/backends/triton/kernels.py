@@ -35,6 +35,14 @@ def _key_row_bounds(j, Lq, Lk, left, right):
 
 
 @triton.jit
+def _sequence(CU_Q, CU_K, seq):
+    """``(q0, Lq, k0, Lk)``: first token and length of sequence ``seq`` in the packed Q and K."""
+    q0 = tl.load(CU_Q + seq)
+    k0 = tl.load(CU_K + seq)
+    return q0, tl.load(CU_Q + seq + 1) - q0, k0, tl.load(CU_K + seq + 1) - k0
+
+
+@triton.jit
 def _load_rows(ptr, t0, rows, L, stride_t, head, stride_h, d, D):
     """``[len(rows), BLOCK_D]`` tile of tokens ``t0 + rows`` of one head, 0 outside ``L`` / ``D``."""
     offs = (t0 + rows).to(tl.int64)[:, None] * stride_t + head * stride_h + d[None, :]
@@ -89,10 +97,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
-    q0 = tl.load(CU_Q + seq)
-    Lq = tl.load(CU_Q + seq + 1) - q0
-    k0 = tl.load(CU_K + seq)
-    Lk = tl.load(CU_K + seq + 1) - k0
+    q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
     m_start = pid_m * BM
     if m_start >= Lq:
         return
@@ -136,7 +141,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
         lse = tl.where(sink != sink, float("nan"), lse)
         log2_l = tl.where(sink != sink, float("nan"), log2_l)
         _store_rows(O, o, q0, rows, Lq, stride_ot, h, stride_oh, d, D)
-        stat = h * stride_lh + q0 + rows
+        stat = h.to(tl.int64) * stride_lh + q0 + rows
         tl.store(LSE + stat, lse, mask=rows < Lq)
         tl.store(M2 + stat, m_i, mask=rows < Lq)
         tl.store(L2 + stat, log2_l, mask=rows < Lq)
@@ -153,8 +158,8 @@ def delta_kernel(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride
     do = _load_rows(DO, 0, t, T, stride_dot, h, stride_doh, d, D).to(tl.float32)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + h * stride_lh + t, mask=t < T, other=0.0)
-    tl.store(DELTA + h * stride_lh + t, delta, mask=t < T)
+        delta -= tl.load(DLSE + h.to(tl.int64) * stride_lh + t, mask=t < T, other=0.0)
+    tl.store(DELTA + h.to(tl.int64) * stride_lh + t, delta, mask=t < T)
 
 
 @triton.jit
@@ -185,10 +190,7 @@ def dkdv_kernel(Q, K, V, DO, M2, L2, DELTA, DK, DV, CU_Q, CU_K,
     pid_n = tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
-    q0 = tl.load(CU_Q + seq)
-    Lq = tl.load(CU_Q + seq + 1) - q0
-    k0 = tl.load(CU_K + seq)
-    Lk = tl.load(CU_K + seq + 1) - k0
+    q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
     n_start = pid_n * BN
     if n_start >= Lk:
         return
@@ -207,9 +209,9 @@ def dkdv_kernel(Q, K, V, DO, M2, L2, DELTA, DK, DV, CU_Q, CU_K,
             rows = m + tl.arange(0, BM)
             q = _load_rows(Q, q0, rows, Lq, stride_qt, h, stride_qh, d, D)
             do = _load_rows(DO, q0, rows, Lq, stride_dot, h, stride_doh, d, D)
-            m2 = tl.load(M2 + h * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
-            log2_l = tl.load(L2 + h * stride_lh + q0 + rows, mask=rows < Lq, other=float("inf"))
-            delta = tl.load(DELTA + h * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
+            m2 = tl.load(M2 + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
+            log2_l = tl.load(L2 + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=float("inf"))
+            delta = tl.load(DELTA + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
             p = _probabilities(q, k, m2, log2_l, rows, cols, Lq, Lk, left, right, scale_log2, BM, BN,
                                PRECISION, UPCAST)
             dv = _mma(tl.trans(p), do, dv, COMPENSATED, PRECISION, UPCAST)
@@ -238,10 +240,7 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
     seq = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // G
-    q0 = tl.load(CU_Q + seq)
-    Lq = tl.load(CU_Q + seq + 1) - q0
-    k0 = tl.load(CU_K + seq)
-    Lk = tl.load(CU_K + seq + 1) - k0
+    q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
     m_start = pid_m * BM
     if m_start >= Lq:
         return
@@ -249,8 +248,8 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
     d = tl.arange(0, BLOCK_D)
     q = _load_rows(Q, q0, rows, Lq, stride_qt, h, stride_qh, d, D)
     do = _load_rows(DO, q0, rows, Lq, stride_dot, h, stride_doh, d, D)
-    m2 = tl.load(M2 + h * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
-    log2_l = tl.load(L2 + h * stride_lh + q0 + rows, mask=rows < Lq, other=float("inf"))
+    m2 = tl.load(M2 + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
+    log2_l = tl.load(L2 + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=float("inf"))
     blk_lo, _ = _row_key_bounds(m_start, Lq, Lk, left, right)
     _, blk_hi = _row_key_bounds(tl.minimum(m_start + BM, Lq) - 1, Lq, Lk, left, right)
     if EXACT_DELTA:
@@ -263,10 +262,10 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
                                PRECISION, UPCAST)
             delta += tl.sum(p * _dot(do, tl.trans(v), tl.zeros([BM, BN], tl.float32), PRECISION, UPCAST), 1)
         if HAS_DLSE:
-            delta -= tl.load(DLSE + h * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
-        tl.store(DELTA + h * stride_lh + q0 + rows, delta, mask=rows < Lq)
+            delta -= tl.load(DLSE + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
+        tl.store(DELTA + h.to(tl.int64) * stride_lh + q0 + rows, delta, mask=rows < Lq)
     else:
-        delta = tl.load(DELTA + h * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
+        delta = tl.load(DELTA + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
     dq = tl.zeros([BM, BLOCK_D], tl.float32)
     for n in range((blk_lo // BN) * BN, blk_hi, BN):
         cols = n + tl.arange(0, BN)
