@@ -14,6 +14,8 @@ import triton.language as tl
 
 LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(LN2)        # the same constants, as kernels may read globals
+_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -113,7 +115,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
         q = _load_rows(Q, q0, rows, Lq, stride_qt, h, stride_qh, d, D)
         sink = tl.load(SINKS + h).to(tl.float32)       # -inf when the call has no sinks
         finite = (sink == sink) & (sink != float("inf")) & (sink != float("-inf"))
-        m_i = tl.zeros([BM], tl.float32) + tl.where(finite, sink * LOG2E, float("-inf"))
+        m_i = tl.zeros([BM], tl.float32) + tl.where(finite, sink * _LOG2E, float("-inf"))
         l_i = tl.zeros([BM], tl.float32) + tl.where(finite, 1.0, 0.0)
         acc = tl.zeros([BM, BLOCK_D], tl.float32)
         for n in range(n_first, blk_hi, BN):
@@ -131,7 +133,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
             acc = _mma(p, v, acc * alpha[:, None], COMPENSATED, PRECISION, UPCAST)
             m_i = m_new
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        lse = (m_i + tl.log2(l_i)) * LN2
+        lse = (m_i + tl.log2(l_i)) * _LN2
         # special sinks: +inf takes all the mass; NaN poisons the rows that have keys
         log2_l = tl.log2(l_i)
         o = tl.where(sink == float("inf"), 0.0, o)
