@@ -75,10 +75,19 @@ def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tup
         if masks.block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right):
             parts.append(Part(r0, r1, k0, k1))
             continue
-        vis = masks.visible(torch.arange(r0, r1), torch.arange(k0, k1), Lq, Lk, left, right)
-        mask = torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF)
-        parts.append(Part(r0, r1, k0, k1, mask=mask, has_key=vis.any(1)))
+        mask, has_key = _band_mask(r1 - r0, k1 - k0, r0 + (Lk - Lq) - k0, left, right)
+        parts.append(Part(r0, r1, k0, k1, mask=mask, has_key=has_key))
     return tuple(parts)
+
+
+@functools.lru_cache(maxsize=256)
+def _band_mask(R: int, K: int, shift: int, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive mask ``[R, K]`` and row-has-key ``[R]`` of a block whose row ``a`` sits ``shift`` past
+    key 0 of its range. Inside ``[k0, k1)`` the length limits never bind, so every block of the same
+    geometry shares one mask (a long sliding-window sequence keeps a handful, not one per block)."""
+    span = R + abs(shift) + K + 1          # a square frame large enough that no limit clips
+    vis = masks.visible(torch.arange(R) + shift, torch.arange(K), span, span, left, right)
+    return torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF), vis.any(1)
 
 
 def _merge(og, lg, o_p, lse_p, start: int, fresh: slice, seen: slice) -> None:
