@@ -16,12 +16,12 @@ def _small(case):
     return case.scaled(max_len=64, max_heads=4, max_dim=32)
 
 
-def _params(level, **marks):
+def _params(level):
     mark = getattr(pytest.mark, level)
     return [pytest.param(_small(c), id=_small(c).name, marks=mark) for c in cases.cases(level)]
 
 
-@pytest.mark.parametrize("case", _params("L0") + _params("boundary"))
+@pytest.mark.parametrize("case", _params("L0") + _params("L1") + _params("L2") + _params("boundary"))
 def test_triton_gate_a(case):
     result = verify.run_case(case, "triton", device=DEVICE)
     assert result.passed, describe(result)
@@ -30,14 +30,6 @@ def test_triton_gate_a(case):
 @pytest.mark.parametrize("seed", range(8))
 def test_triton_random_packed(seed):
     case = cases.random_packed(seed, max_seqs=4, max_len=100)
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
-
-
-@pytest.mark.parametrize("case", [
-    pytest.param(_small(c), id=_small(c).name) for c in cases.cases("L2")
-    if c.dtype != torch.float16 or c.D in (1, 80, 256) or c.window_size != (-1, -1) or c.lse_grad])
-def test_triton_l2_shapes_and_dtypes(case):
     result = verify.run_case(case, "triton", device=DEVICE)
     assert result.passed, describe(result)
 
