@@ -42,15 +42,45 @@ _NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class Part:
-    """Rows ``[r0, r1)`` against keys ``[k0, k1)`` of one sequence: one kernel call."""
+    """Rows ``[r0, r1)`` against keys ``[k0, k1)`` of one sequence: one kernel call.
+
+    With ``count > 1`` it is a run of ``count`` blocks of one geometry, batched into that one call:
+    block ``b`` takes rows ``r0 + b*R + [0, R)`` and keys ``k0 + b*R + [0, K)`` (``R = block_rows``,
+    ``K = block_keys``; the key windows overlap) and they all share ``mask`` / ``has_key``.
+    """
 
     r0: int
     r1: int
     k0: int
     k1: int
     causal: bool = False                 # top-left causal on a square part
-    mask: torch.Tensor | None = None     # additive fp32 [r1 - r0, k1 - k0], 0 or -inf
-    has_key: torch.Tensor | None = None  # bool [r1 - r0]: the row sees a key of this part
+    mask: torch.Tensor | None = None     # additive fp32 [R, K], 0 or -inf
+    has_key: torch.Tensor | None = None  # bool [R]: the row sees a key of this part
+    count: int = 1
+
+    @property
+    def block_rows(self) -> int:
+        return (self.r1 - self.r0) // self.count
+
+    @property
+    def block_keys(self) -> int:
+        return (self.k1 - self.k0) - (self.count - 1) * self.block_rows
+
+    def blocks(self):
+        """``(r0, r1, k0, k1)`` of each block of the run."""
+        R, K = self.block_rows, self.block_keys
+        for b in range(self.count):
+            yield self.r0 + b * R, self.r0 + (b + 1) * R, self.k0 + b * R, self.k0 + b * R + K
+
+    def extended_by(self, other: "Part") -> "Part | None":
+        """This run with ``other`` appended, if ``other`` is its next block (same geometry, one step on)."""
+        R, K = self.block_rows, self.block_keys
+        same = (other.count == 1 and other.r1 - other.r0 == R and other.k1 - other.k0 == K
+                and other.mask is self.mask and not self.causal and not other.causal)
+        if same and other.r0 == self.r1 and other.k0 == self.k0 + self.count * R:
+            return Part(self.r0, other.r1, self.k0, other.k1, mask=self.mask, has_key=self.has_key,
+                        count=self.count + 1)
+        return None
 
 
 @functools.lru_cache(maxsize=512)
@@ -77,7 +107,33 @@ def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tup
             continue
         mask, has_key = _band_mask(r1 - r0, k1 - k0, r0 + (Lk - Lq) - k0, left, right)
         parts.append(Part(r0, r1, k0, k1, mask=mask, has_key=has_key))
-    return tuple(parts)
+    return tuple(_runs(parts))
+
+
+def _runs(parts: list[Part]) -> list[Part]:
+    """Consecutive blocks of one geometry fused into runs (one batched kernel call each)."""
+    out: list[Part] = []
+    for part in parts:
+        run = out[-1].extended_by(part) if out else None
+        if run is not None:
+            out[-1] = run
+        else:
+            out.append(part)
+    return out
+
+
+def _windows(x: torch.Tensor, i: int, start: int, count: int, length: int, step: int) -> torch.Tensor:
+    """``[count, H, length, D]`` view of batch item ``i`` of ``x [N, H, L, D]``: window ``b`` is
+    tokens ``start + b*step + [0, length)``. Windows may overlap (read-only use then)."""
+    xi = x[i]
+    s_h, s_l, s_d = xi.stride()
+    return torch.as_strided(xi, (count, xi.shape[0], length, xi.shape[2]), (step * s_l, s_h, s_l, s_d),
+                            xi.storage_offset() + start * s_l)
+
+
+def _stat_windows(stat: torch.Tensor, i: int, part: Part) -> torch.Tensor:
+    """``[count, H, R]`` view of the rows of ``part`` in batch item ``i`` of ``stat [N, H, Lq]``."""
+    return stat[i, :, part.r0:part.r1].unflatten(1, (part.count, part.block_rows)).transpose(0, 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,6 +183,40 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+def _forward_run(part, qg, kg, vg, og, lg, rows: Span, softmax_scale) -> None:
+    """A run of same-geometry blocks in one kernel call per batch item; rows are disjoint."""
+    fresh, seen = rows.take(part.r0, part.r1)
+    assert seen.stop == seen.start, "runs only cover rows seen for the first time"
+    c, R, K = part.count, part.block_rows, part.block_keys
+    for i in range(qg.shape[0]):
+        o, lse = _FWD(_windows(qg, i, part.r0, c, R, R), _windows(kg, i, part.k0, c, K, R),
+                      _windows(vg, i, part.k0, c, K, R), 0.0, False, attn_mask=part.mask,
+                      scale=softmax_scale)                               # [c, HQ, R, D], [c, HQ, R]
+        _windows(og, i, part.r0, c, R, R).copy_(o)
+        if part.has_key is not None:   # the kernel reports lse 0 on fully masked rows
+            lse = lse.masked_fill(~part.has_key, _NEG_INF)
+        _stat_windows(lg, i, part).copy_(lse)
+
+
+def _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows: Span, keys: Span, softmax_scale) -> None:
+    """Backward of a run: dQ per block; dK/dV of the overlapping key windows added in a fixed order."""
+    rows.take(part.r0, part.r1)
+    fresh, _ = keys.take(part.k0, part.k1)
+    dkg[:, :, fresh] = 0.0
+    dvg[:, :, fresh] = 0.0
+    c, R, K = part.count, part.block_rows, part.block_keys
+    for i in range(qg.shape[0]):
+        dq, dk, dv = _BWD(_windows(dog, i, part.r0, c, R, R), _windows(qg, i, part.r0, c, R, R),
+                          _windows(kg, i, part.k0, c, K, R), _windows(vg, i, part.k0, c, K, R),
+                          _windows(og, i, part.r0, c, R, R), _stat_windows(lg, i, part).contiguous(), 0.0, False,
+                          attn_mask=part.mask, scale=softmax_scale)      # dk, dv: [c, HKV, K, D]
+        _windows(dqg, i, part.r0, c, R, R).copy_(dq)
+        for j in range(0, K, R):           # chunk j of every window: disjoint targets, one add each
+            w = min(R, K - j)
+            _windows(dkg, i, part.k0 + j, c, w, R).add_(dk[:, :, j:j + w])
+            _windows(dvg, i, part.k0 + j, c, w, R).add_(dv[:, :, j:j + w])
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
     """fp32 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``,
     the softmax over visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none)."""
@@ -143,6 +233,9 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
                                                              (lse_keys,)):
         rows = Span()
         for part in plan(Lq, Lk, left, right):
+            if part.count > 1:
+                _forward_run(part, qg, kg, vg, og, lg, rows, softmax_scale)
+                continue
             keys = slice(part.k0, part.k1)
             o_p, lse_p = _FWD(qg[:, :, part.r0:part.r1], kg[:, :, keys], vg[:, :, keys], 0.0, part.causal,
                               attn_mask=part.mask, scale=softmax_scale)    # [N, HQ, r, D], [N, HQ, r]
@@ -177,6 +270,9 @@ def backward(do, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_sc
             cu_seqlens_q, cu_seqlens_k, (q, do, out, dq), (k, v, dk, dv), (lse,)):
         rows_done, keys_done = Span(), Span()
         for part in plan(Lq, Lk, left, right):
+            if part.count > 1:
+                _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows_done, keys_done, softmax_scale)
+                continue
             rows, keys = slice(part.r0, part.r1), slice(part.k0, part.k1)
             dq_p, dk_p, dv_p = _BWD(dog[:, :, rows], qg[:, :, rows], kg[:, :, keys], vg[:, :, keys],
                                     og[:, :, rows], lg[:, :, rows].contiguous(), 0.0, part.causal,
