@@ -37,6 +37,22 @@ def _key_row_bounds(j, Lq, Lk, left, right):
 
 
 @triton.jit
+def _block_key_range(m_start, BM, Lq, Lk, left, right):
+    """Keys seen by any row of ``[m_start, m_start + BM)`` (``sinkattn.masks.block_key_range``)."""
+    lo, _ = _row_key_bounds(m_start, Lq, Lk, left, right)
+    _, hi = _row_key_bounds(tl.minimum(m_start + BM, Lq) - 1, Lq, Lk, left, right)
+    return lo, hi
+
+
+@triton.jit
+def _block_row_range(n_start, BN, Lq, Lk, left, right):
+    """Rows that see any key of ``[n_start, n_start + BN)``."""
+    lo, _ = _key_row_bounds(n_start, Lq, Lk, left, right)
+    _, hi = _key_row_bounds(tl.minimum(n_start + BN, Lk) - 1, Lq, Lk, left, right)
+    return lo, hi
+
+
+@triton.jit
 def _sequence(CU_Q, CU_K, seq):
     """``(q0, Lq, k0, Lk)``: first token and length of sequence ``seq`` in the packed Q and K."""
     q0 = tl.load(CU_Q + seq)
@@ -107,8 +123,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
     d = tl.arange(0, BLOCK_D)
     lo_r, hi_r = _row_key_bounds(rows, Lq, Lk, left, right)
     row_has_key = lo_r < hi_r
-    blk_lo, _ = _row_key_bounds(m_start, Lq, Lk, left, right)
-    _, blk_hi = _row_key_bounds(tl.minimum(m_start + BM, Lq) - 1, Lq, Lk, left, right)
+    blk_lo, blk_hi = _block_key_range(m_start, BM, Lq, Lk, left, right)
     n_first = (blk_lo // BN) * BN
     for g in range(G):
         h = kvh * G + g
@@ -202,8 +217,7 @@ def dkdv_kernel(Q, K, V, DO, M2, L2, DELTA, DK, DV, CU_Q, CU_K,
     v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d, D)
     dk = tl.zeros([BN, BLOCK_D], tl.float32)
     dv = tl.zeros([BN, BLOCK_D], tl.float32)
-    blk_lo, _ = _key_row_bounds(n_start, Lq, Lk, left, right)
-    _, blk_hi = _key_row_bounds(tl.minimum(n_start + BN, Lk) - 1, Lq, Lk, left, right)
+    blk_lo, blk_hi = _block_row_range(n_start, BN, Lq, Lk, left, right)
     m_first = (blk_lo // BM) * BM
     for g in range(G):
         h = kvh * G + g
@@ -252,8 +266,7 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
     do = _load_rows(DO, q0, rows, Lq, stride_dot, h, stride_doh, d, D)
     m2 = tl.load(M2 + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=0.0)
     log2_l = tl.load(L2 + h.to(tl.int64) * stride_lh + q0 + rows, mask=rows < Lq, other=float("inf"))
-    blk_lo, _ = _row_key_bounds(m_start, Lq, Lk, left, right)
-    _, blk_hi = _row_key_bounds(tl.minimum(m_start + BM, Lq) - 1, Lq, Lk, left, right)
+    blk_lo, blk_hi = _block_key_range(m_start, BM, Lq, Lk, left, right)
     if EXACT_DELTA:
         delta = tl.zeros([BM], tl.float32)
         for n in range((blk_lo // BN) * BN, blk_hi, BN):
