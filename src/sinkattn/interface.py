@@ -1,7 +1,8 @@
 """Public entry points: validation, backend choice, and the autograd glue.
 
-Backends compute; this module only checks arguments, picks one, and routes
-gradients (including the one flowing into ``lse``) to its ``backward``.
+Backends compute; this module only checks arguments, picks one, and calls it through
+the ``sinkattn::forward`` custom op (``sinkattn.ops``), whose registered autograd routes
+the gradients of ``out`` and ``lse`` to the backend's ``backward``.
 """
 
 from __future__ import annotations
@@ -10,29 +11,9 @@ import math
 
 import torch
 
-from . import backends, masks, validation
+from . import backends, masks, ops, validation
 
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
-
-
-class _SinkAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, impl):
-        out_acc, lse, extra = impl.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
-        ctx.save_for_backward(q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k, *extra)
-        ctx.options = (softmax_scale, left, right, impl)
-        ctx.set_materialize_grads(False)
-        return out_acc.to(q.dtype), lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, sinks, out_acc, lse, cu_seqlens_q, cu_seqlens_k, *extra = ctx.saved_tensors
-        softmax_scale, left, right, impl = ctx.options
-        if dout is None:
-            dout = torch.zeros_like(q)
-        dq, dk, dv, dsinks = impl.backward(dout.contiguous(), dlse, q, k, v, sinks, out_acc, lse,
-                                           cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, tuple(extra))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_size, backend):
@@ -41,8 +22,9 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, wind
     impl = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
     left, right = masks.normalize_window(causal, window_size)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _SinkAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks,
-                                cu_seqlens_q, cu_seqlens_k, scale, left, right, impl)
+    out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
+                                   cu_seqlens_k, scale, left, right, impl.CAPABILITIES.name)
+    return out_acc.to(q.dtype), lse
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -19,9 +19,15 @@ NAMES = ("cpu", "triton", "reference")
 _AUTO = {"cpu": "cpu", "cuda": "triton"}
 
 
+_LOADED: dict[str, ModuleType] = {}
+
+
 def load(name: str) -> ModuleType:
+    if name in _LOADED:
+        return _LOADED[name]
     try:
-        return importlib.import_module(f"{__name__}.{name}")
+        _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
+        return _LOADED[name]
     except ImportError as exc:
         if name == "triton":
             raise NotImplementedError(
