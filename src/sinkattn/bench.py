@@ -173,8 +173,12 @@ def _eager(p, q, k, v, sinks):
 
 def _flex_lse(p, q, k, v, sinks):
     if q.device.type != "cuda":
-        return None, "FlexAttention runs compiled on CUDA here"
+        return None, "FlexAttention has no backward on CPU"
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        AuxRequest = None
     left = p.window[0]
     packed = p.lens is not None
     doc = torch.repeat_interleave(torch.arange(len(p.seq_lens), device=q.device),
@@ -194,7 +198,11 @@ def _flex_lse(p, q, k, v, sinks):
         if packed:
             q, k, v = q[None], k[None], v[None]
         a, b, c = _heads_first(q, k, v)
-        o, lse = flex(a, b, c, block_mask=block_mask, enable_gqa=True, return_lse=True)
+        if AuxRequest is not None:      # torch >= 2.9 asks for the lse this way
+            o, aux = flex(a, b, c, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        else:
+            o, lse = flex(a, b, c, block_mask=block_mask, enable_gqa=True, return_lse=True)
         out = _sink_correction(o, lse, sinks).transpose(1, 2)
         return out[0] if packed else out
     return fn, "sink added through its lse"
