@@ -26,12 +26,13 @@ class Capabilities:
     dtypes: frozenset[torch.dtype]
     max_head_dim: int
     backward: bool = True
+    device_hint: str = ""      # what to do about a device it does not take
 
     def why_not(self, call: Call) -> str | None:
         """None when the backend can take ``call``, else the reason in one sentence."""
         if call.device_type not in self.device_types:
             return (f"backend {self.name!r} runs on {sorted(self.device_types)} tensors, "
-                    f"got {call.device_type!r} tensors")
+                    f"got {call.device_type!r} tensors" + (f"; {self.device_hint}" if self.device_hint else ""))
         if call.dtype not in self.dtypes:
             names = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"backend {self.name!r} supports dtypes {names}, got {call.dtype}"

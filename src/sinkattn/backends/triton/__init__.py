@@ -54,6 +54,7 @@ CAPABILITIES = Capabilities(
     device_types=frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=256,
+    device_hint="set TRITON_INTERPRET=1 before importing sinkattn to run its kernels on CPU tensors (slowly)",
 )
 
 
