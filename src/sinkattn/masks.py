@@ -21,6 +21,7 @@ __all__ = [
     "visible",
     "block_key_range",
     "block_fully_visible",
+    "row_blocks",
 ]
 
 
@@ -66,3 +67,13 @@ def block_fully_visible(r0: int, r1: int, k0: int, k1: int, Lq: int, Lk: int, le
     lo_last, _ = row_key_bounds(r1 - 1, Lq, Lk, left, right)
     _, hi_first = row_key_bounds(r0, Lq, Lk, left, right)
     return lo_last <= k0 and hi_first >= k1
+
+
+def row_blocks(Lq: int, Lk: int, left: int, right: int, block_rows: int):
+    """Yield ``(r0, r1, k0, k1, fully_visible)`` per block of ``block_rows`` query rows that sees
+    at least one key: the block's visible key range and whether every row sees all of it."""
+    for r0 in range(0, Lq, block_rows):
+        r1 = min(r0 + block_rows, Lq)
+        k0, k1 = block_key_range(r0, r1, Lq, Lk, left, right)
+        if k1 > k0:
+            yield r0, r1, k0, k1, block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right)

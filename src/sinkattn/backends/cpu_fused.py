@@ -97,12 +97,8 @@ def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tup
         diagonal = Part(0, Lq, offset, Lk, causal=True)
         return ((Part(0, Lq, 0, offset),) if offset > 0 else ()) + (diagonal,)
     parts = []
-    for r0 in range(0, Lq, block_m):
-        r1 = min(r0 + block_m, Lq)
-        k0, k1 = masks.block_key_range(r0, r1, Lq, Lk, left, right)
-        if k1 <= k0:
-            continue
-        if masks.block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right):
+    for r0, r1, k0, k1, full in masks.row_blocks(Lq, Lk, left, right, block_m):
+        if full:
             parts.append(Part(r0, r1, k0, k1))
             continue
         mask, has_key = _band_mask(r1 - r0, k1 - k0, r0 + (Lk - Lq) - k0, left, right)

@@ -39,14 +39,8 @@ def _blocks(n: int, HQ: int, Lq: int, Lk: int, left: int, right: int):
     """Yield ``(r0, r1, k0, k1, vis)`` per block of rows; ``vis`` bool ``[R, K]`` or None if all visible."""
     span = Lk if left < 0 or right < 0 else min(Lk, left + right + 1)
     rows = max(16, SLAB_ELEMENTS // max(1, n * HQ * span))
-    for r0 in range(0, Lq, rows):
-        r1 = min(r0 + rows, Lq)
-        k0, k1 = masks.block_key_range(r0, r1, Lq, Lk, left, right)
-        if k1 <= k0:
-            continue
-        vis = None
-        if not masks.block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right):
-            vis = masks.visible(torch.arange(r0, r1), torch.arange(k0, k1), Lq, Lk, left, right)
+    for r0, r1, k0, k1, full in masks.row_blocks(Lq, Lk, left, right, rows):
+        vis = None if full else masks.visible(torch.arange(r0, r1), torch.arange(k0, k1), Lq, Lk, left, right)
         yield r0, r1, k0, k1, vis
 
 
