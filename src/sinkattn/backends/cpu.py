@@ -52,11 +52,13 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra=()):
+             extra):
     """``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, the forward's inputs and fp32 ``out``/``lse``
-    -> ``(dq, dk, dv)`` fp32 and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
+    -> ``(dq, dk, dv)`` fp32 and ``dsinks [HQ]`` in the sinks' dtype (or None). ``extra`` is the
+    forward's ``(took_slab_path,)``: the backward takes the path the forward took."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
-    if bool(extra[0]) if extra else may_have_large_scores(q32, k32, softmax_scale):
+    (took_slab_path,) = extra
+    if bool(took_slab_path):
         dq, dk, dv = cpu_slab.backward(do32, dlse, q32, k32, v32, sinks, cu_seqlens_q, cu_seqlens_k,
                                        softmax_scale, left, right)
     else:

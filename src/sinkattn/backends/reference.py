@@ -24,7 +24,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra=()):
+             extra):
     """``(dq, dk, dv)`` float64 and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
     dq, dk, dv, dsinks = reference.backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
                                             softmax_scale, left, right)
