@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from . import __version__, eager, flops
 from .interface import sink_attn_func, sink_attn_varlen_func
 
-__all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header"]
+__all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header", "time_interleaved",
+           "sinkattn_step", "peak_growth_mib", "plot"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
 
@@ -297,6 +298,46 @@ def _step(fn, inputs, mode):
     return run
 
 
+def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, float]:
+    """Median seconds of each callable; within each repeat every step runs once, so they share
+    the machine's noise."""
+    device = torch.device(device)
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    samples = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            step()
+            _sync(device)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def sinkattn_step(p: Problem, mode: str, device="cpu"):
+    """One ``mode`` of sinkattn on ``p`` as a callable (inputs made here)."""
+    inputs = _inputs(p, torch.device(device))
+    fn, _ = _sinkattn(p, *inputs)
+    return _step(fn, inputs, mode)
+
+
+def peak_growth_mib(p: Problem, provider: str, mode: str = "fwdbwd", device="cpu") -> float | None:
+    """Peak memory growth of one first run of ``mode`` (inputs already allocated), in MiB.
+    On CPU this reads the process's peak RSS: run it in a fresh process for a clean figure."""
+    device = torch.device(device)
+    inputs = _inputs(p, device)
+    fn, note = PROVIDERS[provider](p, *inputs)
+    if fn is None:
+        raise ValueError(f"{provider} cannot run {p.label}: {note}")
+    step = _step(fn, inputs, mode)
+    base = _reset_peak(device)
+    step()
+    _sync(device)
+    return _peak_growth(device, base)
+
+
 def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("fwd", "fwdbwd"),
         repeats=3, warmup=1, device="cpu", progress=None) -> list[Row]:
     """Measure every (problem, provider, mode); ``progress(advance_by_one)`` is called per unit."""
@@ -322,17 +363,9 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
                     row.note = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
                     steps.pop(name, None)
-            samples = {name: [] for name in steps}
-            for _ in range(repeats):
-                for name, step in steps.items():
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    step()
-                    _sync(device)
-                    samples[name].append(time.perf_counter() - t0)
-            for name, s in samples.items():
+            for name, seconds in time_interleaved(steps, repeats, warmup=0, device=device).items():
                 row = mode_rows[name]
-                row.ms = statistics.median(s) * 1e3
+                row.ms = seconds * 1e3
                 row.gflops = p.flops(mode) / (row.ms * 1e-3) / 1e9
             peers = [r.ms for n, r in mode_rows.items() if n != "sinkattn" and r.ms is not None]
             ours = mode_rows.get("sinkattn")
