@@ -7,7 +7,7 @@ Prints medians and ratios (never asserts a speed). The peers:
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` with
   ``enable_gqa=True`` and no sinks, the fastest CPU attention a user has;
 * ``eager``: sink attention as Hugging Face's gpt-oss model computes it
-  (``sinkattn.eager``), scores materialized.
+  (``sinkattn.testing.eager``), scores materialized.
 
 Sections: (1) dense causal B=1, HQ=16, HKV=4, S=2048, D=64, fwd and fwd+bwd, in
 fp32 and bf16; (2) peak memory growth of fwd+bwd at S=16384, HQ=8, HKV=2, D=64,
@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 
-from sinkattn import bench
+from sinkattn.testing import bench
 
 
 def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
@@ -40,7 +40,7 @@ def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
 
 _MEMORY_CHILD = """
 import sys
-from sinkattn import bench
+from sinkattn.testing import bench
 provider, S = sys.argv[1], int(sys.argv[2])
 bench.peak_growth_mib(bench.Problem(1, 64, 8, 2, 64), provider)   # one-time lazy initialisation
 print(bench.peak_growth_mib(bench.Problem(1, S, 8, 2, 64), provider, "fwdbwd"))

@@ -28,7 +28,7 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sinkattn import __main__ as cli  # noqa: E402
-from sinkattn import cases, verify  # noqa: E402
+from sinkattn.testing import cases, verify  # noqa: E402
 
 
 def correctness(levels, scaled: bool) -> list[dict]:

@@ -7,7 +7,7 @@ if not torch.cuda.is_available():   # run the Triton kernels on CPU tensors thro
 
 import pytest  # noqa: E402
 
-from sinkattn.verify import TENSORS
+from sinkattn.testing.verify import TENSORS
 
 
 def describe(result) -> str:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sinkattn import cases, masks, verify
+from sinkattn import masks
+from sinkattn.testing import cases, verify
 from sinkattn.backends import cpu, cpu_fused
 from conftest import describe
 

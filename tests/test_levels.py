@@ -4,7 +4,7 @@ Results come through the public API with NaN-poisoned result buffers (``verify.r
 
 import pytest
 
-from sinkattn import cases, verify
+from sinkattn.testing import cases, verify
 from conftest import describe
 
 BACKENDS = ["cpu"]

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from sinkattn import precision
+from sinkattn.testing import precision
 
 
 def test_exact_passes_and_reports_zero_error():

@@ -2,7 +2,7 @@
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sinkattn import cases, verify
+from sinkattn.testing import cases, verify
 from conftest import describe
 
 

@@ -5,7 +5,7 @@ heads <= 4, D <= 32) so the interpreter stays within CI's budget."""
 import pytest
 import torch
 
-from sinkattn import cases, verify
+from sinkattn.testing import cases, verify
 from sinkattn.backends import triton as triton_backend
 from conftest import describe
 

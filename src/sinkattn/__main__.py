@@ -9,7 +9,7 @@ verify runs the level cases of DESIGN.md §5 against the float64 golden and
 prints, per case and tensor, Gate A (ratio, max abs error, verdict), the Gate B
 factor against eager attention in the input dtype, and bitwise determinism over
 three runs; the exit code is 0 only if every case passes. bench times sinkattn
-against the attention available here (see ``sinkattn.bench``).
+against the attention available here (see ``sinkattn.testing.bench``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from . import bench, cases, verify
+from .testing import bench, cases, verify
 
 __all__ = ["main"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import masks
+from .. import masks
 
 __all__ = ["visible_pairs", "attention_flops"]
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import masks
+from .. import masks
 
 __all__ = ["sink_attention_dense", "sink_attention_varlen"]
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import eager, precision, reference
-from .backends import buffers
+from .. import reference
+from ..backends import buffers
+from ..interface import sink_attn_varlen_func
+from ..masks import normalize_window
+from . import eager, precision
 from .cases import Case, Inputs
-from .interface import sink_attn_varlen_func
-from .masks import normalize_window
 
 __all__ = ["CaseResult", "run_case", "TENSORS"]
 

@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from . import __version__, eager, flops
-from .interface import sink_attn_func, sink_attn_varlen_func
+from .. import __version__
+from ..interface import sink_attn_func, sink_attn_varlen_func
+from . import eager, flops
 
 __all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header", "time_interleaved",
            "sinkattn_step", "peak_growth_mib", "plot"]
