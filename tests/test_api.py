@@ -126,18 +126,3 @@ def test_reference_backend_through_the_api():
     gb = torch.autograd.grad(b.sum(), (q, k, v, sinks))
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
-
-
-def test_works_under_torch_compile_in_one_graph():
-    """The backends run inside the ``sinkattn::forward`` / ``backward`` custom ops: the dense call
-    compiles as one graph (``fullgraph=True``) and gives the eager values and gradients."""
-    q, k, v, sinks = _dense(B=1, Sq=40, Sk=40)
-
-    def loss(q, k, v, s):
-        return (sinkattn.sink_attn_func(q, k, v, sinks=s, causal=True) * 2).sum()
-
-    want = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

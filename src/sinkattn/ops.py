@@ -1,12 +1,14 @@
 """The backends as ``torch.library`` custom ops, so ``torch.compile`` treats a call as one node.
 
-    sinkattn::forward(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, backend)
-        -> [out_acc, lse, *extra]
+    sinkattn::forward(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, left, right, backend) -> [out_acc, lse, *extra]
     sinkattn::backward(do, dlse?, q, k, v, sinks?, out_acc, lse, cu_seqlens_q, cu_seqlens_k,
                        softmax_scale, left, right, backend, extra) -> [dq, dk, dv, dsinks]
 
-``out_acc`` is the backend's accumulation dtype (fp32; float64 for ``reference``), ``extra``
-whatever the backend keeps for its backward; ``dsinks`` is empty when there are no sinks.
+``out_acc`` is in the backend's declared ``out_dtype`` (fp32; float64 for ``reference``), ``extra``
+the tensors it declares in ``saved``; ``dsinks`` is empty when there are no sinks. Every result is
+contiguous, exactly as the fake implementations describe it. The checks on the contents of
+``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph.
 Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``.
 """
 
@@ -14,28 +16,33 @@ from __future__ import annotations
 
 import torch
 
-from . import backends
+from . import backends, validation
 
 __all__ = ["forward", "backward"]
 
 
+def _contiguous(tensors) -> list[torch.Tensor]:
+    return [t.contiguous() for t in tensors]
+
+
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, softmax_scale: float, left: int,
-            right: int, backend: str) -> list[torch.Tensor]:
+            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+            softmax_scale: float, left: int, right: int, backend: str) -> list[torch.Tensor]:
+    validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                         max_seqlen_q, max_seqlen_k)
     out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
                                                      softmax_scale, left, right)
-    return [out, lse, *extra]
+    return _contiguous([out, lse, *extra])
 
 
 @forward.register_fake
-def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, backend):
+def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
+      backend):
+    caps = backends.describe(backend)
     Tq, HQ, D = q.shape
-    acc = torch.float64 if backend == "reference" else torch.float32
-    out, lse = q.new_empty((Tq, HQ, D), dtype=acc), q.new_empty((HQ, Tq), dtype=torch.float32)
-    extra = {"cpu": [q.new_empty((), dtype=torch.bool)],
-             "triton": [q.new_empty((HQ, Tq), dtype=torch.float32) for _ in range(2)]}.get(backend, [])
-    return [out, lse, *extra]
+    out, lse = q.new_empty((Tq, HQ, D), dtype=caps.out_dtype), q.new_empty((HQ, Tq), dtype=torch.float32)
+    return [out, lse, *(s.like(q, k) for s in caps.saved)]
 
 
 @torch.library.custom_op("sinkattn::backward", mutates_args=())
@@ -48,18 +55,18 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
     dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
                                                          cu_seqlens_k, softmax_scale, left, right, tuple(extra))
     dsinks = dsinks if dsinks is not None else q.new_empty((0,))
-    return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks]
+    return _contiguous([dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks])
 
 
 @backward.register_fake
 def _(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, backend,
       extra):
-    dsinks = torch.empty_like(sinks) if sinks is not None else q.new_empty((0,))
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks]
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, backend = inputs
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, _, _, softmax_scale, left, right, backend = inputs
     out, lse, *extra = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
     ctx.options = (softmax_scale, left, right, backend)
@@ -67,14 +74,18 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError("sinkattn: double backward is not supported (its backward is not differentiable): "
+                           "call backward / torch.autograd.grad without create_graph=True")
     dout, dlse = grads[0], grads[1]
     q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     # The public output is out_acc cast to q's dtype, so dout holds q-dtype values: cast back exactly.
+    dlse = dlse.contiguous() if dlse is not None else None
     dq, dk, dv, dsinks = backward(dout.to(q.dtype).contiguous(), dlse, q, k, v, sinks, out, lse,
                                   cu_seqlens_q, cu_seqlens_k, *ctx.options, list(extra))
-    return dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, None, None, None, None
+    return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 8
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)

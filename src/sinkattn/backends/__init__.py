@@ -1,9 +1,12 @@
 """Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``:
 
     forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
-        -> (out [Tq, HQ, D], lse [HQ, Tq] fp32, extra: tuple of tensors kept for the backward)
+        -> (out [Tq, HQ, D] in CAPABILITIES.out_dtype, lse [HQ, Tq] fp32, extra: CAPABILITIES.saved)
     backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, extra)
         -> (dq, dk, dv, dsinks or None)
+
+``choose`` reads only the declarations, so it runs inside ``torch.compile``'s tracing without
+importing anything; the backends themselves run inside the custom ops (``sinkattn.ops``).
 """
 
 from __future__ import annotations
@@ -11,32 +14,36 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from .capabilities import Call, Capabilities
+from . import cpu, reference
+from .capabilities import Call, Capabilities, Saved
 
-__all__ = ["NAMES", "load", "choose", "Call", "Capabilities"]
+__all__ = ["NAMES", "load", "describe", "choose", "Call", "Capabilities", "Saved"]
 
 NAMES = ("cpu", "triton", "reference")
 _AUTO = {"cpu": "cpu", "cuda": "triton"}
-
-
-_LOADED: dict[str, ModuleType] = {}
+_LOADED: dict[str, ModuleType] = {"cpu": cpu, "reference": reference}
 
 
 def load(name: str) -> ModuleType:
-    if name in _LOADED:
-        return _LOADED[name]
-    try:
-        _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
-        return _LOADED[name]
-    except ImportError as exc:
-        if name == "triton":
+    """The backend module ``name``; the Triton one is imported on first use."""
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
+        except ImportError as exc:
             raise NotImplementedError(
-                f"backend 'triton' needs the triton package ({exc}); pip install 'sinkattn[triton]'") from exc
-        raise
+                f"backend {name!r} needs the triton package ({exc}); pip install 'sinkattn[triton]'") from exc
+    return _LOADED[name]
 
 
-def choose(backend: str, call: Call) -> ModuleType:
-    """The backend module for ``call``; NotImplementedError with the reason if none can take it."""
+def describe(name: str) -> Capabilities:
+    """What backend ``name`` declares."""
+    return load(name).CAPABILITIES
+
+
+def choose(backend: str, call: Call) -> str:
+    """The name of the backend for ``call``; NotImplementedError with the reason if none can take it."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, one of {('auto',) + NAMES}, got {type(backend).__name__}")
     if backend == "auto":
         name = _AUTO.get(call.device_type)
         if name is None:
@@ -47,8 +54,7 @@ def choose(backend: str, call: Call) -> ModuleType:
         name = backend
     else:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {backend!r}")
-    module = load(name)
-    reason = module.CAPABILITIES.why_not(call)
+    reason = describe(name).why_not(call)
     if reason is not None:
         raise NotImplementedError(reason)
-    return module
+    return name

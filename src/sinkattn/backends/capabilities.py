@@ -1,4 +1,5 @@
-"""What a backend declares it can run, and the one check that reads the declaration."""
+"""What a backend declares: what it can run (and the one check that reads it), and what its
+forward returns, so the custom op's fake implementation can describe a call without running it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Capabilities", "Call"]
+__all__ = ["Capabilities", "Call", "Saved"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,21 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Saved:
+    """One extra tensor the forward returns for the backward: its shape in the symbols
+    ``Tq``, ``Tk``, ``HQ``, ``HKV``, ``D`` (``()`` for a scalar), its dtype, on q's device."""
+
+    name: str
+    shape: tuple[str, ...]
+    dtype: torch.dtype
+
+    def like(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """An empty tensor of this description for ``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``."""
+        sizes = dict(Tq=q.shape[0], HQ=q.shape[1], D=q.shape[2], Tk=k.shape[0], HKV=k.shape[1])
+        return q.new_empty(tuple(sizes[s] for s in self.shape), dtype=self.dtype)
+
+
+@dataclass(frozen=True)
 class Capabilities:
     name: str
     device_types: frozenset[str]
@@ -27,6 +43,8 @@ class Capabilities:
     max_head_dim: int
     backward: bool = True
     device_hint: str = ""      # what to do about a device it does not take
+    out_dtype: torch.dtype = torch.float32      # dtype of the forward's ``out`` (cast to q's by the caller)
+    saved: tuple[Saved, ...] = ()              # the forward's extra tensors, in order
 
     def why_not(self, call: Call) -> str | None:
         """None when the backend can take ``call``, else the reason in one sentence."""

@@ -14,6 +14,7 @@ CAPABILITIES = Capabilities(
     device_types=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=256,
+    out_dtype=torch.float64,
 )
 
 

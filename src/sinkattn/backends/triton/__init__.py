@@ -26,7 +26,7 @@ import triton
 
 from ... import sink
 from .. import buffers
-from ..capabilities import Capabilities
+from ..capabilities import Capabilities, Saved
 from ..scores import may_have_large_scores
 from . import kernels
 from .config import blocks_for
@@ -55,6 +55,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=256,
     device_hint="set TRITON_INTERPRET=1 before importing sinkattn to run its kernels on CPU tensors (slowly)",
+    saved=(Saved("m2", ("HQ", "Tq"), torch.float32), Saved("log2_l", ("HQ", "Tq"), torch.float32)),
 )
 
 
