@@ -11,7 +11,8 @@ from conftest import describe
 
 @pytest.fixture(params=["fused", "slab"])
 def forced_path(request, monkeypatch):
-    monkeypatch.setattr(cpu, "may_have_large_scores", lambda q, k, scale: request.param == "slab")
+    path = cpu.cpu_slab if request.param == "slab" else cpu.cpu_fused
+    monkeypatch.setattr(cpu, "path_for", lambda q, k, scale: path)
     return request.param
 
 

@@ -2,28 +2,41 @@
 
 Backends compute; this module only checks arguments, picks one, and calls it through
 the ``sinkattn::forward`` custom op (``sinkattn.ops``), whose registered autograd routes
-the gradients of ``out`` and ``lse`` to the backend's ``backward``.
+the gradients of ``out`` and ``lse`` to the backend's ``backward``. Everything here
+traces under ``torch.compile(fullgraph=True)``: it reads shapes and Python values only.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.autograd.forward_ad as forward_ad
 
-from . import backends, masks, ops, validation
+from . import backends, defaults, masks, ops, validation
 
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_size, backend):
+def _refuse_forward_mode(*tensors) -> None:
+    """Forward-mode AD (``torch.func.jvp``, ``torch.autograd.forward_ad``) has no formula here;
+    without this check the custom op would hand back zero tangents."""
+    if forward_ad._current_level >= 0 and any(
+            t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError("sinkattn does not support forward-mode AD (torch.func.jvp, "
+                                  "torch.autograd.forward_ad); use reverse mode (backward, torch.func.vjp)")
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+         window_size, backend):
+    _refuse_forward_mode(q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
-    impl = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
-    left, right = masks.normalize_window(causal, window_size)
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens_q,
-                                   cu_seqlens_k, scale, left, right, impl.CAPABILITIES.name)
+    name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
+    left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, max_seqlen_q,
+                                         max_seqlen_k)
+    out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                                   sinks.contiguous() if sinks is not None else None,
+                                   cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+                                   defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name)
     return out_acc.to(q.dtype), lse
 
 
@@ -40,9 +53,11 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         sinks: ``[HQ]`` raw logits (not scaled), any float dtype, or None.
         softmax_scale: defaults to ``1/sqrt(D)``.
         causal, window_size: ``visible(i, j) = lo(i) <= j < hi(i)`` bottom-right
-            aligned (see ``sinkattn.masks``); ``causal`` forces ``right = 0``.
+            aligned (see ``sinkattn.masks``); ``causal`` forces ``right = 0``; a side of
+            ``-1``, or one reaching past every key, is unbounded.
         return_lse: also return ``lse`` fp32 ``[HQ, Tq]`` (natural log, sink included).
-        backend: ``"auto"``, ``"cpu"`` or ``"reference"``.
+        backend: ``"auto"`` (``cpu`` for CPU tensors, ``triton`` for CUDA tensors), ``"cpu"``,
+            ``"triton"`` or ``"reference"`` (float64, materialized).
 
     For query head ``h`` (KV head ``h // G``) and row ``i`` of a sequence:
 
@@ -53,8 +68,9 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """
     validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
-    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, softmax_scale, causal, window_size, backend)
-    return (out, lse) if return_lse else out
+    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+                    window_size, backend)
+    return (out, lse) if validation.as_bool("return_lse", return_lse) else out
 
 
 def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -69,6 +85,6 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     Sk, HKV = k.shape[1], k.shape[2]
     steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
-                    steps * Sq, steps * Sk, sinks, softmax_scale, causal, window_size, backend)
+                    steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend)
     out = out.view(B, Sq, HQ, D)
-    return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if return_lse else out
+    return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if validation.as_bool("return_lse", return_lse) else out

@@ -25,11 +25,21 @@ __all__ = [
 ]
 
 
-def normalize_window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
-    """Fold ``causal`` into ``(left, right)``; ``-1`` means unbounded."""
+def normalize_window(causal: bool, window_size: tuple[int, int], max_seqlen_q: int | None = None,
+                     max_seqlen_k: int | None = None) -> tuple[int, int]:
+    """Fold ``causal`` into ``(left, right)``; ``-1`` means unbounded.
+
+    A side that reaches past every key is unbounded: ``left >= max_seqlen_k - 1`` or
+    ``right >= max_seqlen_q - 1`` (given upper bounds of the lengths) selects the same keys as
+    ``-1``, and is folded to it so that no mask arithmetic meets a huge window.
+    """
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0
+    if max_seqlen_k is not None and left >= max(max_seqlen_k - 1, 0):
+        left = -1
+    if max_seqlen_q is not None and right >= max(max_seqlen_q - 1, 0):
+        right = -1
     return left, right
 
 

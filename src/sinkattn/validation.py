@@ -1,23 +1,49 @@
 """Argument checks for the public API: each rule raises a ValueError or TypeError
-that names the argument, what was received and what is expected."""
+that names the argument, what was received and what is expected.
+
+Everything here reads only Python values and tensor metadata, so it traces under
+``torch.compile`` without a graph break, except ``check_cu_seqlens_contents``, which
+reads the tensors and runs inside the ``sinkattn::forward`` op.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import torch
 
-__all__ = ["check_varlen", "check_dense", "check_options", "FLOAT_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["check_varlen", "check_dense", "check_options", "check_cu_seqlens_contents", "as_bool",
+           "FLOAT_DTYPES", "MAX_HEAD_DIM", "MAX_SOFTMAX_SCALE"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+MAX_SOFTMAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
+"""Scores run in fp32, in base 2 inside the kernels: ``softmax_scale * log2(e)`` must be an fp32 number."""
 _DTYPE_NAMES = "float16, bfloat16 or float32"
+
+
+def _type_name(x) -> str:
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def as_bool(name: str, x) -> bool:
+    """``x`` as a Python bool: a bool or a numpy bool, else a TypeError naming ``name``."""
+    if isinstance(x, bool):
+        return x
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(x, numpy.bool_):
+        return bool(x)
+    raise TypeError(f"{name} must be a bool, got {_type_name(x)} {x!r}")
 
 
 def _tensor(name: str, x, rank: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {_type_name(x)}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; call {name}.to_dense()")
     if not x.dtype.is_floating_point or x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
     if x.dim() != rank:
@@ -49,16 +75,40 @@ def _qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
         raise ValueError(f"query heads HQ={HQ} must be a multiple of KV heads HKV={HKV} (GQA group size HQ/HKV)")
 
 
-def _cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -> list[int]:
+def _cu_seqlens(name: str, cu, device: torch.device) -> None:
+    """What can be checked without reading the values (the values: ``check_cu_seqlens_contents``)."""
     if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be an int32 torch.Tensor [N+1], got {type(cu).__name__}")
+        raise TypeError(f"{name} must be an int32 torch.Tensor [N+1], got {_type_name(cu)}")
+    if cu.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {cu.layout}; call {name}.to_dense()")
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}; use .to(torch.int32)")
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name} must be 1-D with N+1 >= 1 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
-    values = cu.tolist()
+
+
+def _max_seqlen(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {_type_name(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Shapes of the packed API: ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``cu_seqlens_* int32 [N+1]``."""
+    _qkv(q, k, v, 1, "[Tq, HQ, D]", "[Tk, HKV, D]")
+    _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same number of sequences, "
+                         f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    _max_seqlen("max_seqlen_q", max_seqlen_q)
+    _max_seqlen("max_seqlen_k", max_seqlen_k)
+
+
+def _contents(name: str, values: list[int], total: int, max_name: str, max_seqlen: int) -> None:
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     for b in range(len(values) - 1):
@@ -66,27 +116,18 @@ def _cu_seqlens(name: str, cu: torch.Tensor, total: int, device: torch.device) -
             raise ValueError(f"{name} must be non-decreasing, got {values[b]} then {values[b + 1]} at index {b}")
     if values[-1] != total:
         raise ValueError(f"{name}[-1] must equal the token count {total}, got {values[-1]}")
-    return values
+    longest = max((b - a for a, b in zip(values, values[1:])), default=0)
+    if max_seqlen < longest:
+        raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({longest}); "
+                         f"pass an upper bound")
 
 
-def _max_seqlen(name: str, value, lengths: list[int]) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    longest = max(lengths, default=0)
-    if value < longest:
-        raise ValueError(f"{name}={value} is smaller than the longest sequence ({longest}); pass an upper bound")
-
-
-def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """Shapes of the packed API: ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``cu_seqlens_* int32 [N+1]``."""
-    _qkv(q, k, v, 1, "[Tq, HQ, D]", "[Tk, HKV, D]")
-    cq = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    ck = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-    if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same number of sequences, "
-                         f"got {len(cq) - 1} and {len(ck) - 1}")
-    _max_seqlen("max_seqlen_q", max_seqlen_q, [b - a for a, b in zip(cq, cq[1:])])
-    _max_seqlen("max_seqlen_k", max_seqlen_k, [b - a for a, b in zip(ck, ck[1:])])
+def check_cu_seqlens_contents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, Tq: int, Tk: int,
+                              max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The values of ``cu_seqlens_*``: start at 0, non-decreasing, end at the token counts, lengths
+    within ``max_seqlen_*``. Reads both tensors to the host (one copy each)."""
+    _contents("cu_seqlens_q", cu_seqlens_q.tolist(), Tq, "max_seqlen_q", max_seqlen_q)
+    _contents("cu_seqlens_k", cu_seqlens_k.tolist(), Tk, "max_seqlen_k", max_seqlen_k)
 
 
 def check_dense(q, k, v) -> None:
@@ -94,12 +135,28 @@ def check_dense(q, k, v) -> None:
     _qkv(q, k, v, 2, "[B, Sq, HQ, D]", "[B, Sk, HKV, D]")
 
 
+def _softmax_scale(softmax_scale) -> None:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"softmax_scale must be a float or None, got {_type_name(softmax_scale)}")
+    try:
+        value = float(softmax_scale)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value) or abs(value) > MAX_SOFTMAX_SCALE:
+        shown = repr(softmax_scale) if len(repr(softmax_scale)) <= 24 else repr(softmax_scale)[:20] + "..."
+        raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {MAX_SOFTMAX_SCALE:.3g} "
+                         f"(scores are fp32), got {shown}")
+
+
 def check_options(q, sinks, softmax_scale, causal, window_size, return_lse) -> None:
     """The keyword options shared by both entry points."""
     HQ = q.shape[-2]
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
-            raise TypeError(f"sinks must be a torch.Tensor [HQ] or None, got {type(sinks).__name__}")
+            raise TypeError(f"sinks must be a torch.Tensor [HQ] or None, got {_type_name(sinks)}")
+        if sinks.layout != torch.strided:
+            raise TypeError(f"sinks must be a dense (strided) tensor, got layout {sinks.layout}; "
+                            f"call sinks.to_dense()")
         if not sinks.dtype.is_floating_point:
             raise TypeError(f"sinks must have a floating-point dtype, got {sinks.dtype}")
         if tuple(sinks.shape) != (HQ,):
@@ -107,14 +164,9 @@ def check_options(q, sinks, softmax_scale, causal, window_size, return_lse) -> N
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
     if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        _softmax_scale(softmax_scale)
+    as_bool("causal", causal)
+    as_bool("return_lse", return_lse)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}")
     for side, w in zip(("left", "right"), window_size):

@@ -8,7 +8,7 @@ Two paths compute the softmax over keys; the sink is added around them here
 * ``cpu_slab`` computes blocks of rows against their visible keys with plain
   matrix products, recomputing scores bitwise and summing ``Delta`` from the
   same ``P`` and ``dP``. Taken when scores may be large enough
-  (``scores.may_have_large_scores``) for the fused kernel's recomputation and
+  (``scores.score_bound``) for the fused kernel's recomputation and
   ``Delta = <dO, o>`` to lose the exact cancellation of peaked rows.
 
 fp16 / bf16 inputs are cast up once (the fp32 kernel is also far faster than
@@ -23,8 +23,8 @@ import torch
 
 from .. import sink
 from . import cpu_fused, cpu_slab
-from .capabilities import Capabilities
-from .scores import may_have_large_scores
+from .capabilities import Capabilities, Saved
+from .scores import LARGE_SCORE, check_fp32_range, score_bound
 
 __all__ = ["CAPABILITIES", "forward", "backward", "path_for"]
 
@@ -33,11 +33,17 @@ CAPABILITIES = Capabilities(
     device_types=frozenset({"cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=256,
+    saved=(Saved("took_slab_path", (), torch.bool),),
 )
 
+
 def path_for(q32: torch.Tensor, k32: torch.Tensor, softmax_scale: float):
-    """The path module for these inputs: ``cpu_slab`` when scores may be large."""
-    return cpu_slab if may_have_large_scores(q32, k32, softmax_scale) else cpu_fused
+    """The path module for these inputs: ``cpu_slab`` when scores may be large, or when
+    ``softmax_scale <= 0`` (the fused kernel scales after its causal mask: ``-inf * 0`` is NaN);
+    ValueError when the scores may not fit fp32."""
+    bound = score_bound(q32, k32, softmax_scale)
+    check_fp32_range(bound, q32, k32)
+    return cpu_slab if softmax_scale <= 0 or bound > LARGE_SCORE else cpu_fused
 
 
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):

@@ -1,4 +1,5 @@
-"""When are scores "large"? The one test both fast backends use to pick their exact path.
+"""How large can scores get? The bound both fast backends use to pick their exact path, and to
+refuse inputs whose scores fp32 cannot hold.
 
 Past a few hundred, the fp32 rounding of a recomputed score or of ``Delta = <dO, o>``
 is no longer small next to the exact cancellation ``dP_ij - Delta_i = 0`` of a row
@@ -9,17 +10,35 @@ sum ``Delta`` from the same ``P`` and ``dP`` the gradients use.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["LARGE_SCORE", "may_have_large_scores"]
+__all__ = ["LARGE_SCORE", "MAX_SCORE", "score_bound", "may_have_large_scores", "check_fp32_range"]
 
 LARGE_SCORE = 256.0
+MAX_SCORE = torch.finfo(torch.float32).max / (2 * math.log2(math.e))
+"""Largest bound taken: base-2 scores, and their difference from a row maximum, stay finite in fp32."""
+
+
+def score_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
+    """Cauchy-Schwarz: ``|scale <q_i, k_j>| <= |scale| max_i |q_i| max_j |k_j|`` (``inf`` if a norm is
+    not finite, 0 without tokens). ``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``."""
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    bound = abs(softmax_scale) * float(q.float().norm(dim=-1).max()) * float(k.float().norm(dim=-1).max())
+    return bound if bound == bound else math.inf
 
 
 def may_have_large_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> bool:
-    """Cauchy-Schwarz: ``|scale <q_i, k_j>| <= |scale| max_i |q_i| max_j |k_j|``; True above
-    ``LARGE_SCORE`` (or if a norm is not finite). ``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``."""
-    if q.numel() == 0 or k.numel() == 0:
-        return False
-    bound = abs(softmax_scale) * float(q.float().norm(dim=-1).max()) * float(k.float().norm(dim=-1).max())
-    return not bound <= LARGE_SCORE
+    """True when scores may exceed ``LARGE_SCORE`` in magnitude (or a norm is not finite)."""
+    return score_bound(q, k, softmax_scale) > LARGE_SCORE
+
+
+def check_fp32_range(bound: float, q: torch.Tensor, k: torch.Tensor) -> None:
+    """ValueError when finite inputs may give scores beyond fp32 (where scores are computed).
+    Inputs holding inf or NaN pass: they give NaN where they reach, as in any attention."""
+    if bound <= MAX_SCORE or not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+        return
+    raise ValueError(f"scores softmax_scale * <q_i, k_j> may reach {bound:.3g}, beyond what fp32 holds "
+                     f"({MAX_SCORE:.3g}); lower softmax_scale or the magnitude of q and k")

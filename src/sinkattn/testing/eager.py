@@ -8,11 +8,9 @@ O(L^2)-memory baseline of the benchmarks and of Gate B; it is not a backend.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import masks
+from .. import defaults, masks
 
 __all__ = ["sink_attention_dense", "sink_attention_varlen"]
 
@@ -24,7 +22,7 @@ def sink_attention_dense(q, k, v, sinks=None, softmax_scale=None, causal=False, 
     """
     B, Sq, HQ, D = q.shape
     Sk, HKV = k.shape[1], k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    scale = defaults.softmax_scale(D, softmax_scale)
     left, right = masks.normalize_window(causal, window_size)
     qh = q.transpose(1, 2)                                                     # [B, HQ, Sq, D]
     kh = k.transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)                 # [B, HQ, Sk, D]

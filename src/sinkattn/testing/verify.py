@@ -7,12 +7,11 @@ low-precision inputs; each tensor gets a ``precision.Report``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import reference
+from .. import defaults, reference
 from ..backends import buffers
 from ..interface import sink_attn_varlen_func
 from ..masks import normalize_window
@@ -80,7 +79,7 @@ def _as_fp32(x: Inputs) -> Inputs:
 def golden(case: Case, x: Inputs):
     """``[o, lse, dq, dk, dv, (dsinks)]`` in float64 from the reference."""
     left, right = normalize_window(case.causal, case.window_size)
-    scale = 1.0 / math.sqrt(case.D)
+    scale = defaults.softmax_scale(case.D)
     args = (x.q, x.k, x.v, x.sinks, x.cu_seqlens_q, x.cu_seqlens_k, scale, left, right)
     o, lse = reference.forward(*args)
     dq, dk, dv, dsinks = reference.backward(x.do, x.dlse, *args)

@@ -1,0 +1,78 @@
+"""Valid inputs at the edges of the options: each is computed right (against the float64 golden) or
+refused with an error that names the feature."""
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.autograd.forward_ad as forward_ad
+
+import sinkattn
+
+BACKENDS = ["cpu", "triton", "reference"]      # triton through TRITON_INTERPRET=1 (conftest) without a GPU
+
+
+def _dense(B=1, S=24, HQ=4, HKV=2, D=16, seed=0, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, D, generator=g).requires_grad_(requires_grad) for h in (HQ, HKV, HKV))
+    return q, k, v, torch.randn(HQ, generator=g).requires_grad_(requires_grad)
+
+
+def _outputs_and_grads(backend, q, k, v, sinks, **options):
+    out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, return_lse=True, backend=backend, **options)
+    grads = torch.autograd.grad((out * out).sum() + lse.sum(), (q, k, v, sinks))
+    return [out, lse, *grads]
+
+
+def _assert_matches_golden(backend, **options):
+    q, k, v, sinks = _dense()
+    got = _outputs_and_grads(backend, q, k, v, sinks, **options)
+    want = _outputs_and_grads("reference", q, k, v, sinks, **options)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), got, want):
+        assert torch.isfinite(a).all(), f"{name} has NaN/inf with {options}"
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(-1, 0)), dict(window_size=(5, 3)), {}],
+                         ids=["causal", "left_unbounded_right0", "two_sided", "full"])
+def test_zero_and_negative_softmax_scale(backend, scale, mask):
+    _assert_matches_golden(backend, softmax_scale=scale, **mask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window,same_as", [((0, sys.maxsize), (0, -1)), ((2**63, 0), (-1, 0)),
+                                            ((10**30, 10**30), (-1, -1)), ((23, 3), (-1, 3)),
+                                            ((np.int64(4), np.int64(2**62)), (4, -1))])
+def test_huge_windows_mean_unbounded(backend, window, same_as):
+    q, k, v, sinks = _dense(requires_grad=False)
+    got = sinkattn.sink_attn_func(q, k, v, sinks=sinks, window_size=window, backend=backend)
+    want = sinkattn.sink_attn_func(q, k, v, sinks=sinks, window_size=same_as, backend=backend)
+    assert torch.equal(got, want)
+    _assert_matches_golden(backend, window_size=window)
+
+
+def test_numpy_bools_are_bools():
+    q, k, v, sinks = _dense(requires_grad=False)
+    out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=np.bool_(True), return_lse=np.bool_(True))
+    assert torch.equal(out, sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True))
+
+
+def test_forward_mode_ad_is_refused():
+    q, k, v, sinks = _dense(requires_grad=False)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda q: sinkattn.sink_attn_func(q, k, v, sinks=sinks), (q,), (torch.ones_like(q),))
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        sinkattn.sink_attn_func(q, k, forward_ad.make_dual(v, torch.ones_like(v)), sinks=sinks)
+    with forward_ad.dual_level():      # a dual level without tangents on sinkattn's inputs is fine
+        assert torch.isfinite(sinkattn.sink_attn_func(q, k, v, sinks=sinks)).all()
+
+
+def test_double_backward_is_refused_at_the_first_create_graph():
+    q, k, v, sinks = _dense()
+    out = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
