@@ -20,7 +20,6 @@ merged by log-sum-exp.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +82,12 @@ class Part:
         return None
 
 
-@functools.lru_cache(maxsize=512)
 def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tuple[Part, ...]:
-    """The kernel calls that cover exactly the visible (i, j) pairs of one sequence."""
+    """The kernel calls that cover exactly the visible (i, j) pairs of one sequence.
+
+    Not cached across calls: a plan is a walk over ``Lq / block_m`` blocks, and its band masks
+    cost a small fraction of the attention over them, while a cache keyed by lengths would
+    keep a mask per length for good in packed training, whose lengths change every step."""
     if Lq == 0 or Lk == 0:
         return ()
     if left < 0 and right < 0:
@@ -96,12 +98,15 @@ def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tup
             return (Part(-offset, Lq, 0, Lk, causal=True),)
         diagonal = Part(0, Lq, offset, Lk, causal=True)
         return ((Part(0, Lq, 0, offset),) if offset > 0 else ()) + (diagonal,)
-    parts = []
+    parts, band_masks = [], {}
     for r0, r1, k0, k1, full in masks.row_blocks(Lq, Lk, left, right, block_m):
         if full:
             parts.append(Part(r0, r1, k0, k1))
             continue
-        mask, has_key = _band_mask(r1 - r0, k1 - k0, r0 + (Lk - Lq) - k0, left, right)
+        geometry = (r1 - r0, k1 - k0, r0 + (Lk - Lq) - k0)
+        if geometry not in band_masks:
+            band_masks[geometry] = _band_mask(*geometry, left, right)
+        mask, has_key = band_masks[geometry]
         parts.append(Part(r0, r1, k0, k1, mask=mask, has_key=has_key))
     return tuple(_runs(parts))
 
@@ -132,11 +137,10 @@ def _stat_windows(stat: torch.Tensor, i: int, part: Part) -> torch.Tensor:
     return stat[i, :, part.r0:part.r1].unflatten(1, (part.count, part.block_rows)).transpose(0, 1)
 
 
-@functools.lru_cache(maxsize=256)
 def _band_mask(R: int, K: int, shift: int, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive mask ``[R, K]`` and row-has-key ``[R]`` of a block whose row ``a`` sits ``shift`` past
     key 0 of its range. Inside ``[k0, k1)`` the length limits never bind, so every block of the same
-    geometry shares one mask (a long sliding-window sequence keeps a handful, not one per block)."""
+    geometry shares one mask (a long sliding-window sequence builds a handful, not one per block)."""
     span = R + abs(shift) + K + 1          # a square frame large enough that no limit clips
     vis = masks.visible(torch.arange(R) + shift, torch.arange(K), span, span, left, right)
     return torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF), vis.any(1)

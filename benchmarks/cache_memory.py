@@ -1,0 +1,77 @@
+"""Resident memory over many packed calls whose lengths change every call (as in packed training).
+
+    python benchmarks/cache_memory.py [--calls 300] [--window 2047,2047] [--json FILE]
+
+Each call is fwd+bwd on a packed batch of new random lengths (fp32, HQ=4, HKV=2, D=32, the
+given window). Prints the process's resident memory after a warm-up call and after every
+``--report`` calls, and the growth; any cache that keeps memory per length shows up as growth.
+Run in a fresh process (it is its own). Asserts nothing: the test suite runs a smaller copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+import sinkattn
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def one_call(rng: random.Random, window, max_len: int, HQ=4, HKV=2, D=32) -> None:
+    lens = [rng.randint(1, max_len) for _ in range(rng.randint(1, 4))]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    T = sum(lens)
+    q = torch.randn(T, HQ, D, requires_grad=True)
+    k = torch.randn(T, HKV, D, requires_grad=True)
+    v = torch.randn(T, HKV, D, requires_grad=True)
+    sinks = torch.zeros(HQ, requires_grad=True)
+    out = sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), sinks=sinks,
+                                         window_size=window)
+    out.sum().backward()
+
+
+def measure(calls: int, window, max_len: int, report: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    one_call(rng, window, max_len)
+    start = rss_mib()
+    trace = [(0, start)]
+    for i in range(1, calls + 1):
+        one_call(rng, window, max_len)
+        if i % report == 0:
+            trace.append((i, rss_mib()))
+    return dict(calls=calls, window=list(window), max_len=max_len, rss_start_mib=start,
+                rss_end_mib=trace[-1][1], growth_mib=trace[-1][1] - start, trace=trace)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--window", default="2047,2047", help="left,right")
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--report", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    window = tuple(int(x) for x in args.window.split(","))
+    result = measure(args.calls, window, args.max_len, args.report)
+    for i, rss in result["trace"]:
+        print(f"after {i:4d} calls: RSS {rss:8.1f} MiB")
+    print(f"growth over {args.calls} calls with new lengths, window {window}: {result['growth_mib']:.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
