@@ -1,4 +1,5 @@
-"""The level tables of DESIGN.md §5 on every backend this machine can run, against the float64 golden.
+"""The level tables of docs/contract.md §5 at full size on the cpu backend, against the float64 golden
+(the Triton backend runs them scaled down for its interpreter in test_triton.py; ``reference`` is the golden).
 
 Results come through the public API with NaN-poisoned result buffers (``verify.run_case``)."""
 

@@ -1,4 +1,4 @@
-"""The mask rule against DESIGN.md §1 written out directly, and the block helpers against it."""
+"""The mask rule against docs/contract.md §1 written out directly, and the block helpers against it."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""The gates of DESIGN.md §4 decide as written."""
+"""The gates of docs/contract.md §4 decide as written."""
 
 import math
 

@@ -10,7 +10,7 @@ from sinkattn import reference
 
 
 def _concat_column_attention(q, k, v, sinks, cu_q, cu_k, scale, causal, window):
-    """Per sequence, written from DESIGN.md §1 without sharing code with the library."""
+    """Per sequence, written from docs/contract.md §1 without sharing code with the library."""
     outs, lses = [], []
     HQ, HKV = q.shape[1], k.shape[1]
     left, right = window

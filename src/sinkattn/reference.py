@@ -1,4 +1,4 @@
-"""The float64 golden: DESIGN.md §1 implemented literally, one sequence at a time.
+"""The float64 golden: docs/contract.md §1 implemented literally, one sequence at a time.
 
 It materializes the ``[HQ, Lq, Lk]`` score matrix of each sequence, so it is for
 checking, not for speed. Inputs of any float dtype are cast up to float64

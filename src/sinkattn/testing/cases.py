@@ -1,4 +1,4 @@
-"""The level tables of DESIGN.md §5 as data, and the seeded inputs of one case.
+"""The level tables of docs/contract.md §5 as data, and the seeded inputs of one case.
 
 A case is ``(HQ, G = HQ / HKV, q_lens, k_lens, D, mask, dtype, sink and input
 variants)``; ``B`` is ``len(q_lens)``. Defaults follow the Ascend kernel the

@@ -1,4 +1,4 @@
-"""The precision standard of DESIGN.md §4.
+"""The precision standard of docs/contract.md §4.
 
 Gate A (dual gate, per tensor, thresholds by the dtype of the tensor under test):
 
