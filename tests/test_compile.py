@@ -40,7 +40,7 @@ BACKENDS = ["cpu", "reference", "triton"]      # triton through TRITON_INTERPRET
 def test_opcheck_forward_and_backward(backend, lens, dtype):
     q, k, v, sinks, cu, longest = _op_args(lens, backend, dtype)
     fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), sinks.requires_grad_(), cu, cu,
-           longest, longest, 0.25, -1, 0, backend)
+           longest, longest, 0.25, -1, 0, backend, True)
     torch.library.opcheck(torch.ops.sinkattn.forward.default, fwd)
     detached = [x.detach() for x in fwd[:4]]
     out, lse, *extra = ops.forward(*detached, *fwd[4:])

@@ -108,3 +108,15 @@ def test_explicit_backend_that_cannot_run_says_why():
     with pytest.raises(NotImplementedError, match="reference"):
         backends.choose("auto", backends.Call("mps", torch.float16, 64, needs_grad=True))
     assert backends.choose("auto", backends.Call("cpu", torch.bfloat16, 256, True)) == "cpu"
+
+
+def test_cu_seqlens_changed_in_place_is_checked_again():
+    args = _packed()
+    sink_attn_varlen_func(**args)                       # valid: checked once, then remembered
+    args["cu_seqlens_q"][1] = 11                        # in place: a new version of the same tensor
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        sink_attn_varlen_func(**args)
+    args["cu_seqlens_q"][1] = 4
+    sink_attn_varlen_func(**args)
+    with pytest.raises(ValueError, match="max_seqlen_q=5"):  # same tensors, other counts
+        sink_attn_varlen_func(**{**args, "max_seqlen_q": 5})

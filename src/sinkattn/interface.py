@@ -26,7 +26,7 @@ def _refuse_forward_mode(*tensors) -> None:
 
 
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
-         window_size, backend):
+         window_size, backend, check_cu_seqlens=True):
     _refuse_forward_mode(q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
@@ -36,7 +36,8 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
     out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
                                    sinks.contiguous() if sinks is not None else None,
                                    cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-                                   defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name)
+                                   defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name,
+                                   check_cu_seqlens)
     return out_acc.to(q.dtype), lse
 
 
@@ -85,6 +86,7 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     Sk, HKV = k.shape[1], k.shape[2]
     steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
-                    steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend)
+                    steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
+                    check_cu_seqlens=False)
     out = out.view(B, Sq, HQ, D)
     return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if validation.as_bool("return_lse", return_lse) else out

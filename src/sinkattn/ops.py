@@ -1,14 +1,15 @@
 """The backends as ``torch.library`` custom ops, so ``torch.compile`` treats a call as one node.
 
     sinkattn::forward(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      softmax_scale, left, right, backend) -> [out_acc, lse, *extra]
+                      softmax_scale, left, right, backend, check_cu_seqlens) -> [out_acc, lse, *extra]
     sinkattn::backward(do, dlse?, q, k, v, sinks?, out_acc, lse, cu_seqlens_q, cu_seqlens_k,
                        softmax_scale, left, right, backend, extra) -> [dq, dk, dv, dsinks]
 
 ``out_acc`` is in the backend's declared ``out_dtype`` (fp32; float64 for ``reference``), ``extra``
 the tensors it declares in ``saved``; ``dsinks`` is empty when there are no sinks. Every result is
 contiguous, exactly as the fake implementations describe it. The checks on the contents of
-``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph.
+``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
+(``check_cu_seqlens=False`` for the ones the dense entry point builds itself).
 Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``.
 """
 
@@ -28,9 +29,11 @@ def _contiguous(tensors) -> list[torch.Tensor]:
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-            softmax_scale: float, left: int, right: int, backend: str) -> list[torch.Tensor]:
-    validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                         max_seqlen_q, max_seqlen_k)
+            softmax_scale: float, left: int, right: int, backend: str,
+            check_cu_seqlens: bool) -> list[torch.Tensor]:
+    if check_cu_seqlens:
+        validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                             max_seqlen_q, max_seqlen_k)
     out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
                                                      softmax_scale, left, right)
     return _contiguous([out, lse, *extra])
@@ -38,7 +41,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
 
 @forward.register_fake
 def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
-      backend):
+      backend, check_cu_seqlens):
     caps = backends.describe(backend)
     Tq, HQ, D = q.shape
     out, lse = q.new_empty((Tq, HQ, D), dtype=caps.out_dtype), q.new_empty((HQ, Tq), dtype=torch.float32)
@@ -66,7 +69,7 @@ def _(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_sc
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, _, _, softmax_scale, left, right, backend = inputs
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, _, _, softmax_scale, left, right, backend, _ = inputs
     out, lse, *extra = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
     ctx.options = (softmax_scale, left, right, backend)
@@ -85,7 +88,7 @@ def _backward(ctx, grads):
     dlse = dlse.contiguous() if dlse is not None else None
     dq, dk, dv, dsinks = backward(dout.to(q.dtype).contiguous(), dlse, q, k, v, sinks, out, lse,
                                   cu_seqlens_q, cu_seqlens_k, *ctx.options, list(extra))
-    return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 8
+    return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 9
 
 
 forward.register_autograd(_backward, setup_context=_setup_context)
