@@ -157,7 +157,7 @@ def _problems(args) -> list[bench.Problem]:
 
 def _memory_bytes(device: str) -> int:
     if device == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
