@@ -1,8 +1,15 @@
 """The ``sinkattn`` command end to end on tiny shapes: tables, JSON with every figure, exit codes."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
 
 from sinkattn import __main__ as cli
 from sinkattn.backends import cpu
@@ -33,9 +40,16 @@ def test_verify_fails_with_nonzero_exit_on_a_wrong_backend(tmp_path, monkeypatch
         out, lse, extra = real(*args, **kwargs)
         return out * 1.01, lse, extra
     monkeypatch.setattr(cpu, "forward", off_by_a_bit)
-    code = cli.main(["verify", "--level", "L0", "--backend", "cpu", "--repeats", "1", "--no-gate-b"])
+    out = tmp_path / "v.json"
+    code = cli.main(["verify", "--level", "L0", "--backend", "cpu", "--repeats", "1", "--no-gate-b",
+                     "--json", str(out)])
+    text = capsys.readouterr().out
     assert code == 1
-    assert "verdict: FAIL" in capsys.readouterr().out
+    assert "verdict: FAIL" in text
+    # --repeats 1: determinism is not checked, and the output says so
+    assert "determinism not checked (--repeats 1)" in text
+    data = json.loads(out.read_text())
+    assert data["determinism_checked"] is False and all(c["deterministic"] is None for c in data["cases"])
 
 
 def test_bench_writes_json_with_every_figure_and_a_plot(tmp_path, capsys):
@@ -70,3 +84,199 @@ def test_module_entry_point_help():
     run = subprocess.run([sys.executable, "-m", "sinkattn", "--help"], capture_output=True, text=True)
     assert run.returncode == 0 and "verify" in run.stdout and "bench" in run.stdout
 
+
+
+# --- every option checked before any work (issue 7, item 6) ---------------------------------------------------
+
+BAD_VALUES = [   # (arguments, the option the one-line error must name): each in its own `python -m sinkattn`
+    (["bench", "--shape", "1,256"], "--shape"),
+    (["bench", "--shape", "1,-128,4,1,64"], "--shape"),
+    (["bench", "--shape", "1,64,6,4,16"], "--shape"),              # HQ not a multiple of HKV
+    (["bench", "--shape", "1,64,4,2,300"], "--shape"),             # D beyond every backend
+    (["bench", "--shape", "1,64,4,2,16", "--window", "63"], "--window"),
+    (["bench", "--window", "7,3"], "--window"),                    # right > 0 on causal attention
+    (["bench", "--modes", "fwd,backward"], "--modes"),
+    (["bench", "--providers", "sinkattn,foo"], "--providers"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--device", "cuda"], "--device"),                   # the subprocess sees no GPU
+    (["bench", "--json", "{missing}/b.json"], "--json"),
+    (["bench", "--plot", "{missing}/b.png"], "--plot"),
+    (["bench", "--config", "cpu-quick", "--shape", "1,64,4,2,16"], "--shape"),
+    (["verify", "--repeats", "-1"], "--repeats"),
+    (["verify", "--backend", "triton"], "--backend"),              # no GPU, no TRITON_INTERPRET=1
+    (["verify", "--json", "{missing}/v.json"], "--json"),
+]
+MORE_BAD_VALUES = [   # the same checks, more of their branches, in this process
+    (["bench", "--shape", "1,100000000,64,8,256"], "--shape"),     # far beyond this machine's memory
+    (["bench", "--shape", "1,64,4,2,0"], "--shape"),
+    (["bench", "--shape", "1,64,4.0,2,16"], "--shape"),
+    (["bench", "--window", "7,-2"], "--window"),
+    (["bench", "--window", "a,b"], "--window"),
+    (["bench", "--modes", "fwd,"], "--modes"),
+    (["bench", "--repeats", "x"], "--repeats"),
+    (["bench", "--plot", "{out}/b.txt"], "--plot"),
+    (["bench", "--json", "{out}"], "--json"),
+    (["bench", "--dtype", "fp8"], "--dtype"),
+    (["verify", "--repeats", "0"], "--repeats"),
+    (["verify", "--dtype", "half"], "--dtype"),
+    (["verify", "--level", "L9"], "--level"),
+    (["--out", "{out}/o", "verify"], "--out"),
+    (["--out", "{out}/a-file"], "--out"),
+]
+
+
+def _completed(argv, out):
+    """Fill in every option the case does not test with a cheap valid value, so that a CLI that does the
+    work before checking the bad one would write the JSON/PNG under ``out`` and print its table."""
+    argv = [a.format(out=out, missing=out / "missing") for a in argv]
+    extra = []
+    if argv[0] == "bench":
+        if "--shape" not in argv and "--config" not in argv:
+            extra += ["--config", "cpu-quick"]
+        extra += [] if "--modes" in argv else ["--modes", "fwd"]
+        extra += [] if "--plot" in argv else ["--plot", str(out / "b.png")]
+    if argv[0] == "verify":
+        extra += ["--no-gate-b"]
+    if argv[0] in ("bench", "verify"):
+        extra += [] if "--repeats" in argv else ["--repeats", "1"]
+        extra += [] if "--json" in argv else ["--json", str(out / f"{argv[0]}.json")]
+    return argv + extra
+
+
+def _no_work_done(out) -> list[str]:
+    return sorted(p.name for p in out.rglob("*") if p.name != "a-file")
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Every BAD_VALUES case through ``python -m sinkattn`` in its own fresh process, four at a time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
+
+    def one(i):
+        out = tmp_path_factory.mktemp(f"bad{i}")
+        (out / "a-file").write_text("")
+        argv = _completed(BAD_VALUES[i][0], out)
+        run = subprocess.run([sys.executable, "-m", "sinkattn", *argv], capture_output=True, text=True, env=env,
+                             cwd=out, timeout=600)
+        return run, _no_work_done(out)
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        return list(pool.map(one, range(len(BAD_VALUES))))
+
+
+@pytest.mark.parametrize("i", range(len(BAD_VALUES)), ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_a_bad_value_is_a_one_line_error_before_any_work(bad_runs, i):
+    run, written = bad_runs[i]
+    option = BAD_VALUES[i][1]
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert len(lines) == 1 and f"argument {option}:" in lines[0], run.stderr
+    assert run.stdout == "" and written == [], (run.stdout[-500:], written)   # no table, no JSON, no PNG
+
+
+@pytest.mark.parametrize("argv,option", MORE_BAD_VALUES, ids=[" ".join(a) for a, _ in MORE_BAD_VALUES])
+def test_more_bad_values_in_process(tmp_path, capsys, monkeypatch, argv, option):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(_completed(argv, tmp_path))
+    err = capsys.readouterr()
+    assert exit_.value.code == 2
+    lines = err.err.strip().splitlines()
+    assert len(lines) == 1 and f"argument {option}:" in lines[0], err.err
+    assert err.out == "" and _no_work_done(tmp_path) == []
+
+
+@pytest.mark.parametrize("spellings", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")])
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_both_dtype_spellings_everywhere(command, spellings):
+    parsed = [cli._parser().parse_args([command, "--dtype", s]).dtype for s in (*spellings, spellings[0].upper())]
+    assert parsed == [getattr(torch, spellings[1])] * 3
+
+
+def test_bench_with_a_short_dtype_spelling_runs_that_dtype(tmp_path):
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--shape", "1,32,2,1,16", "--dtype", "bf16", "--modes", "fwd", "--repeats", "1",
+                     "--providers", "sinkattn", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["problem"]["dtype"] == "bfloat16" and "bfloat16" in row["problem"]["label"] and row["ms"] > 0
+
+
+def test_window_applies_to_a_config_and_titles_say_it(tmp_path, capsys):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert cli.main(["bench", "--config", "cpu-quick", "--window", "7,0", "--modes", "fwd", "--repeats", "1",
+                     "--providers", "sinkattn,eager", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert "causal w7_0" in data["setting"] and "causal w7_0" in data["title"] and "causal w7_0" in text
+    assert png.stat().st_size > 10_000
+    assert len(data["rows"]) == 4
+    for r in data["rows"]:
+        assert r["problem"]["window"] == [7, 0] and r["problem"]["causal"] is True and r["ms"] > 0
+
+
+def test_no_causal_lets_the_window_have_a_right_side(tmp_path):
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--shape", "1,48,2,1,16", "--no-causal", "--window", "7,3", "--modes", "fwd",
+                     "--repeats", "1", "--providers", "sinkattn,eager", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert "non-causal w7_3" in data["setting"]
+    for r in data["rows"]:
+        assert r["problem"]["window"] == [7, 3] and r["problem"]["causal"] is False and r["ms"] > 0
+
+
+def test_bench_exits_nonzero_when_sinkattn_fails(tmp_path, monkeypatch, capsys):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("deliberate failure of the cpu backward")
+    monkeypatch.setattr(cpu, "backward", refuse)     # the real CLI path, a backend entry that raises
+    out = tmp_path / "b.json"
+    code = cli.main(["bench", "--shape", "1,32,2,1,16", "--modes", "fwd,fwdbwd", "--repeats", "1",
+                     "--providers", "sinkattn,eager", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1
+    assert "sinkattn failed on 1 of 2" in text and "deliberate failure" in text
+    data = json.loads(out.read_text())
+    assert data["sinkattn_failed"] == 1
+    by = {(r["provider"], r["mode"]): r for r in data["rows"]}
+    assert by["sinkattn", "fwd"]["ms"] > 0 and by["sinkattn", "fwdbwd"]["ms"] is None
+    assert by["eager", "fwdbwd"]["ms"] > 0
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+@pytest.mark.parametrize("backend,on_gpu", [(None, ("cuda", "triton")), ("cpu", ("cpu", "cpu")),
+                                            ("reference", ("cuda", "reference"))])
+def test_verify_defaults_to_the_device_present(monkeypatch, gpu, backend, on_gpu):
+    """Options only (no run): on a machine with a GPU, verify's tensors are CUDA tensors and auto is triton."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    args = cli._parser().parse_args(["verify"] + (["--backend", backend] if backend else []))
+    cli.check_verify(args.parser, args)
+    expected = on_gpu if gpu else ("cpu", backend or "cpu")
+    assert (args.device, args.runs_on) == expected
+
+
+def test_keyboard_interrupt_is_a_short_message_and_exit_130():
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "sinkattn", "bench", "--config", "cpu-default", "--modes", "fwd",
+                             "--repeats", "500", "--providers", "sinkattn"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().startswith("bench:")     # options checked, the timing under way
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # 130, or death by SIGINT (-2 here, 130 in a shell's $?): under `python -m`, CPython sometimes ends a run by
+    # SIGINT after the CLI caught the interrupt and returned 130 (seen in about 1 of 3 runs on the CI machine)
+    assert proc.returncode in (130, -signal.SIGINT) and err.strip() == "sinkattn: interrupted", err[-2000:]
+
+
+def test_help_points_to_the_contract_in_the_repository(capsys):
+    helps = []
+    for argv in (["--help"], ["verify", "--help"], ["bench", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 0
+        helps.append(capsys.readouterr().out)
+    assert "docs/contract.md" in helps[0] and "docs/contract.md" in helps[1]
+    assert not any("DESIGN.md" in h for h in helps)

@@ -1,15 +1,24 @@
 """``sinkattn`` / ``python -m sinkattn``: is it right, and how fast is it, on this machine.
 
-    sinkattn verify [--level L0|L1|L2|boundary|all] [--backend ...] [--dtype ...] [--json FILE]
-    sinkattn bench  [--config NAME | --shape B,S,HQ,HKV,D] [--modes fwd,bwd,fwdbwd]
-                    [--providers ...] [--json FILE] [--plot FILE.png]
-    sinkattn        verify L0, then bench the default configuration, files under sinkattn-out/
+    sinkattn verify [--level L0|L1|L2|boundary|all] [--backend auto|cpu|triton|reference] [--device cpu|cuda]
+                    [--dtype fp16|bf16|fp32] [--repeats N] [--no-gate-b] [--json FILE]
+    sinkattn bench  [--config NAME | --shape B,S,HQ,HKV,D] [--window L,R] [--no-causal] [--dtype fp16|bf16|fp32]
+                    [--modes fwd,bwd,fwdbwd] [--providers NAME,...] [--repeats N] [--device cpu|cuda]
+                    [--json FILE] [--plot FILE.png]
+    sinkattn [--out DIR]   verify L0, then bench this device's default configuration; files under DIR
 
-verify runs the level cases of DESIGN.md §5 against the float64 golden and
+verify runs the level cases of docs/contract.md §5 against the float64 golden and
 prints, per case and tensor, Gate A (ratio, max abs error, verdict), the Gate B
 factor against eager attention in the input dtype, and bitwise determinism over
-three runs; the exit code is 0 only if every case passes. bench times sinkattn
-against the attention available here (see ``sinkattn.testing.bench``).
+--repeats runs (1: not checked); the exit code is 0 only if every case passes.
+It runs on the GPU when there is one (backend auto -> triton), else on the CPU.
+
+bench times sinkattn against the attention available here (see
+``sinkattn.testing.bench``); the exit code is 1 if sinkattn failed on any
+problem or mode (a peer that cannot run or fails is reported in a note).
+
+Dtypes take either spelling (fp16 or float16, ...). Every option is checked
+before any work: a bad value is a one-line error and exit code 2.
 """
 
 from __future__ import annotations
@@ -23,12 +32,18 @@ import time
 
 import torch
 
-from .testing import bench, cases, verify
+from .testing import bench, cases, options, verify
 
 __all__ = ["main"]
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``sinkattn bench: error: argument --x: why (see ... --help)``, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def _rich():
@@ -50,21 +65,43 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def _write(path: str, write) -> bool:
+    """``write(file)`` into ``path``; a one-line message instead of a traceback when the system refuses."""
+    try:
+        with open(path, "w") as f:
+            write(f)
+        return True
+    except OSError as exc:
+        print(f"sinkattn: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+
+
+def check_verify(ap, args) -> None:
+    """Everything ``verify`` needs, settled before any work: cases, device, the backend that runs them."""
+    args.cases = cases.cases(args.level)
+    if args.dtype is not None:
+        args.cases = [dataclasses.replace(c, dtype=args.dtype) for c in args.cases]
+    if args.device is None:
+        args.device = "cpu" if args.backend == "cpu" else options.default_device()
+    try:
+        args.runs_on = options.backend_for(args.backend, args.device, [(c.dtype, c.D) for c in args.cases], True)
+    except (NotImplementedError, ValueError) as exc:
+        ap.error(f"argument --backend: {exc}")
+
+
 def cmd_verify(args) -> int:
     console, Table, progress = _rich()
-    level_cases = cases.cases(args.level)
-    if args.dtype:
-        level_cases = [dataclasses.replace(c, dtype=_DTYPES[args.dtype]) for c in level_cases]
-    device = "cuda" if args.backend == "triton" and torch.cuda.is_available() else "cpu"
     results = []
     t0 = time.perf_counter()
+    ran = args.backend if args.backend == args.runs_on else f"{args.backend} -> {args.runs_on}"
     with progress:
-        task = progress.add_task(f"verify {args.level} on {args.backend}", total=len(level_cases))
-        for case in level_cases:
+        task = progress.add_task(f"verify {args.level} on {ran}", total=len(args.cases))
+        for case in args.cases:
             results.append(verify.run_case(case, args.backend, gate_b=not args.no_gate_b,
-                                           repeats=args.repeats, device=device))
+                                           repeats=args.repeats, device=args.device))
             progress.advance(task)
-    table = Table(title=f"sinkattn verify: level {args.level}, backend {args.backend}, golden = float64 reference")
+    table = Table(title=f"sinkattn verify: level {args.level}, backend {ran}, {args.device} tensors, "
+                        f"golden = float64 reference")
     for col, just in (("case", "left"), ("tensor", "left"), ("dtype", "left"), ("A ratio", "right"),
                       ("max err", "right"), ("A", "center"), ("B factor", "right"), ("B", "center"),
                       ("det", "center")):
@@ -87,45 +124,77 @@ def cmd_verify(args) -> int:
             if rep.waiver:
                 console.print(f"waiver {r.case.name} {rep.name}: {rep.waiver} -> {'ok' if rep.waiver_ok else 'FAIL'}")
     verdict = "[green]PASS[/]" if not failed else "[red]FAIL[/]"
+    checked = (f" and determinism over {args.repeats} runs" if args.repeats > 1
+               else "; determinism not checked (--repeats 1)")
     console.print(f"verdict: {verdict}: {len(results) - failed} of {len(results)} cases pass Gate A"
-                  f"{' and determinism' if args.repeats > 1 else ''} ({time.perf_counter() - t0:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(level=args.level, backend=args.backend, passed=not failed,
-                           cases=[dict(case=r.case.name, backend=r.backend, passed=r.passed,
-                                       deterministic=r.deterministic, error=r.error,
-                                       reports=[rep.as_dict() for rep in r.reports]) for r in results]),
-                      f, indent=2)
+                  f"{checked} ({time.perf_counter() - t0:.1f} s)")
+    record = dict(level=args.level, backend=args.backend, runs_on=args.runs_on, device=args.device,
+                  repeats=args.repeats, determinism_checked=args.repeats > 1, passed=not failed,
+                  cases=[dict(case=r.case.name, backend=r.backend, passed=r.passed, deterministic=r.deterministic,
+                              error=r.error, reports=[rep.as_dict() for rep in r.reports]) for r in results])
+    if args.json and not _write(args.json, lambda f: json.dump(record, f, indent=2)):
+        return 1
     return 0 if not failed else 1
 
 
-def _problems(args):
+def _problems(args) -> list[bench.Problem]:
+    """The problems of ``--shape`` or ``--config``, with ``--dtype``, ``--window`` and ``--no-causal`` applied."""
     if args.shape:
-        B, S, HQ, HKV, D = (int(x) for x in args.shape.split(","))
-        window = tuple(int(x) for x in args.window.split(",")) if args.window else (-1, -1)
-        return [bench.Problem(B, S, HQ, HKV, D, dtype=args.dtype or "float32", window=window)]
-    problems = bench.CONFIGS[args.config]
-    if args.dtype:
-        problems = [dataclasses.replace(p, dtype=args.dtype) for p in problems]
-    return problems
+        problems = [bench.Problem(*args.shape)]
+    else:
+        problems = bench.CONFIGS[args.config or ("gpu-default" if args.device == "cuda" else "cpu-default")]
+    change = {}
+    if args.dtype is not None:
+        change["dtype"] = str(args.dtype).removeprefix("torch.")
+    if not args.causal:
+        change["causal"] = False
+    if args.window is not None:
+        left, right = args.window
+        # causal attention has right = 0 whatever is asked: say (left, 0), or no window at all
+        change["window"] = (args.window if not args.causal else (left, 0) if left >= 0 else (-1, -1))
+    return [dataclasses.replace(p, **change) for p in problems]
+
+
+def _memory_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_bench(ap, args) -> None:
+    """Everything ``bench`` needs, settled before any work: device, problems, that sinkattn can take them."""
+    args.device = args.device or options.default_device()
+    if args.causal and args.window is not None and args.window[1] > 0:
+        ap.error(f"argument --window: right = {args.window[1]} needs --no-causal (bench runs causal attention, "
+                 f"whose right side is 0)")
+    args.problems = _problems(args)
+    source = "--shape" if args.shape else "--config"
+    try:
+        options.backend_for("auto", args.device, [(p.torch_dtype, p.D) for p in args.problems],
+                            needs_grad=args.modes != ("fwd",))
+    except (NotImplementedError, ValueError) as exc:
+        ap.error(f"argument {source}: {exc}")
+    need, have = max(p.tensor_bytes for p in args.problems), _memory_bytes(args.device)
+    if need > have:
+        ap.error(f"argument {source}: inputs, outputs and gradients alone need {need / 2**30:.1f} GiB, "
+                 f"more than the {have / 2**30:.1f} GiB of {args.device} memory here")
+    if args.providers is None:
+        args.providers = (("sinkattn", "sdpa", "flex_lse", "flash_attn", "eager") if args.device == "cuda"
+                          else ("sinkattn", "sdpa", "sdpa_lse", "eager"))
 
 
 def cmd_bench(args) -> int:
     console, Table, progress = _rich()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    problems = _problems(args)
-    modes = tuple(args.modes.split(","))
-    providers = tuple(args.providers.split(",")) if args.providers else (
-        ("sinkattn", "sdpa", "flex_lse", "flash_attn", "eager") if device == "cuda"
-        else ("sinkattn", "sdpa", "sdpa_lse", "eager"))
-    info = bench.header(device)
+    problems, modes = args.problems, args.modes
+    info = bench.header(args.device)
     console.print("bench: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     with progress:
         task = progress.add_task("bench", total=len(problems) * len(modes))
-        rows = bench.run(problems, providers, modes, repeats=args.repeats, warmup=1, device=device,
+        rows = bench.run(problems, args.providers, modes, repeats=args.repeats, warmup=1, device=args.device,
                          progress=lambda: progress.advance(task))
-    shared = problems[0].label.split(" ", 2)[2] if len({p.label.split(" ", 2)[2] for p in problems}) == 1 else ""
-    table = Table(title=f"sinkattn bench: {shared}\nmedian ms; GFLOP/s of visible pairs; vs peer = best peer ms / ours")
+    setting = bench.common_label(problems)
+    table = Table(title=f"sinkattn bench: {setting}\n"
+                        "median ms; GFLOP/s of visible pairs; vs peer = best peer ms / ours")
     for col in ("B", "S", "mode", "provider", "ms", "GFLOP/s", "vs peer", "peak MiB"):
         table.add_column(col, justify="left" if col in ("mode", "provider") else "right")
     notes = {}
@@ -140,54 +209,95 @@ def cmd_bench(args) -> int:
     console.print(table)
     for note, i in notes.items():
         console.print(f"[{i}] {note}", markup=False)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(header=info, rows=[r.as_dict() for r in rows]), f, indent=2)
+    ours = [r for r in rows if r.provider == "sinkattn"]
+    failed = [r for r in ours if r.ms is None]
+    for r in failed:
+        console.print(f"FAIL: sinkattn did not run {r.problem.label} {r.mode}: {r.note}", markup=False)
+    if failed:
+        console.print(f"sinkattn failed on {len(failed)} of {len(ours)} (problem, mode) runs", markup=False)
+    title = f"sinkattn bench on {info['machine']} ({info['threads']} threads): {setting}"
+    record = dict(header=info, setting=setting, title=title, sinkattn_failed=len(failed),
+                  rows=[r.as_dict() for r in rows])
+    written = not args.json or _write(args.json, lambda f: json.dump(record, f, indent=2))
     if args.plot:
-        bench.plot(rows, args.plot, f"sinkattn bench on {info['machine']} ({info['threads']} threads): "
-                                    f"B={problems[0].B} {shared}")
-        console.print(f"plot written to {args.plot}")
-    return 0
+        try:
+            bench.plot(rows, args.plot, title)
+            console.print(f"plot written to {args.plot}")
+        except OSError as exc:
+            print(f"sinkattn: cannot write {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            written = False
+    return 1 if failed or not written else 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="sinkattn", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="sinkattn-out", help="folder for the default run's JSON and PNG")
+    ap = _Parser(prog="sinkattn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=options.out_dir, metavar="DIR",
+                    help="folder for the default run's JSON and PNG (default: sinkattn-out)")
     sub = ap.add_subparsers(dest="command")
-    v = sub.add_parser("verify", help="run a level of DESIGN.md §5 against the float64 golden")
+    dtype = dict(type=options.dtype, metavar="fp16|bf16|fp32", help=f"input dtype: {options.DTYPE_CHOICES}")
+    device = dict(type=options.device, metavar="cpu|cuda", help="where the tensors live (default: the GPU if any)")
+
+    about = "run a level of docs/contract.md §5 against the float64 golden"
+    v = sub.add_parser("verify", help=about, description=about[0].upper() + about[1:] + ".")
     v.add_argument("--level", default="L0", choices=["L0", "L1", "L2", "boundary", "all"])
-    v.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "reference"])
-    v.add_argument("--dtype", choices=sorted(_DTYPES), help="override the cases' input dtype")
-    v.add_argument("--repeats", type=int, default=3, help="runs compared bitwise for determinism (1: skip)")
+    v.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "reference"],
+                   help="auto: triton on a GPU, cpu on the CPU (triton on CPU tensors needs TRITON_INTERPRET=1)")
+    v.add_argument("--device", **device)
+    v.add_argument("--dtype", **(dtype | dict(help="override the cases' input dtype: " + options.DTYPE_CHOICES)))
+    v.add_argument("--repeats", type=options.at_least(1), default=3, metavar="N",
+                   help="runs compared bitwise for determinism (1: not checked); default 3")
     v.add_argument("--no-gate-b", action="store_true", help="skip the eager baseline (faster)")
-    v.add_argument("--json", help="write every figure to this file")
-    b = sub.add_parser("bench", help="time sinkattn against the attention available here")
-    b.add_argument("--config", default="cpu-default", choices=sorted(bench.CONFIGS))
-    b.add_argument("--shape", help="B,S,HQ,HKV,D instead of a config")
-    b.add_argument("--window", help="left,right with --shape (causal)")
-    b.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    b.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, bwd, fwdbwd")
-    b.add_argument("--providers", help=f"comma list of {', '.join(bench.PROVIDERS)}")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--device", choices=["cpu", "cuda"])
-    b.add_argument("--json")
-    b.add_argument("--plot", help="PNG file: time against sequence length, a panel per mode")
+    v.add_argument("--json", type=options.json_file, metavar="FILE", help="write every figure to this file")
+    v.set_defaults(parser=v, check=check_verify, run=cmd_verify)
+
+    about = "time sinkattn against the attention available here"
+    b = sub.add_parser("bench", help=about, description=about[0].upper() + about[1:] + ".")
+    which = b.add_mutually_exclusive_group()
+    which.add_argument("--config", choices=sorted(bench.CONFIGS),
+                       help="a sweep over S (default: gpu-default on a GPU, else cpu-default)")
+    which.add_argument("--shape", type=options.shape, metavar="B,S,HQ,HKV,D", help="one problem instead of a config")
+    b.add_argument("--window", type=options.window, metavar="L,R",
+                   help="sliding window (left, right; -1 unbounded) for every problem, the config's too; "
+                        "right > 0 needs --no-causal")
+    b.add_argument("--no-causal", dest="causal", action="store_false", help="attention without the causal mask")
+    b.add_argument("--dtype", **dtype)
+    b.add_argument("--modes", type=options.names(bench.MODES), default=("fwd", "fwdbwd"), metavar="MODE,...",
+                   help=f"comma list of {', '.join(bench.MODES)} (default: fwd,fwdbwd)")
+    b.add_argument("--providers", type=options.names(bench.PROVIDERS), metavar="NAME,...",
+                   help=f"comma list of {', '.join(bench.PROVIDERS)} (default: those for the device)")
+    b.add_argument("--repeats", type=options.at_least(1), default=3, metavar="N", help="timed runs (median); default 3")
+    b.add_argument("--device", **device)
+    b.add_argument("--json", type=options.json_file, metavar="FILE", help="write every figure to this file")
+    b.add_argument("--plot", type=options.plot_file, metavar="FILE.png",
+                   help="time against sequence length, a panel per mode")
+    b.set_defaults(parser=b, check=check_bench, run=cmd_bench)
     return ap
 
 
-def main(argv=None) -> int:
+def _run(argv) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    if args.command == "verify":
-        return cmd_verify(args)
-    if args.command == "bench":
-        return cmd_bench(args)
-    os.makedirs(args.out, exist_ok=True)
-    status = cmd_verify(ap.parse_args(["verify", "--json", os.path.join(args.out, "verify.json")]))
-    cmd_bench(ap.parse_args(["bench", "--json", os.path.join(args.out, "bench.json"),
-                             "--plot", os.path.join(args.out, "bench.png")]))
-    return status
+    if args.command is not None:
+        if args.out is not None:
+            ap.error("argument --out: is for the default run (no command); give verify/bench --json or --plot")
+        args.check(args.parser, args)
+        return args.run(args)
+    out = args.out or "sinkattn-out"
+    os.makedirs(out, exist_ok=True)
+    steps = [ap.parse_args(["verify", "--json", os.path.join(out, "verify.json")]),
+             ap.parse_args(["bench", "--json", os.path.join(out, "bench.json"),
+                            "--plot", os.path.join(out, "bench.png")])]
+    for step in steps:
+        step.check(step.parser, step)
+    return max([step.run(step) for step in steps])
+
+
+def main(argv=None) -> int:
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("sinkattn: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

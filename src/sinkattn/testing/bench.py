@@ -33,7 +33,7 @@ from .. import __version__
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from . import eager, flops
 
-__all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header", "time_interleaved",
+__all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header", "time_interleaved", "common_label",
            "sinkattn_step", "peak_growth_mib", "plot"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -60,10 +60,24 @@ class Problem:
         return list(self.lens) if self.lens is not None else [self.S] * self.B
 
     @property
+    def parts(self) -> dict[str, str]:
+        """The label's fields by name: shape (``B``, ``S`` or ``lens``), heads, ``D``, dtype, mask."""
+        shape = {"lens": f"packed{list(self.lens)}"} if self.lens is not None else {"B": f"B={self.B}",
+                                                                                    "S": f"S={self.S}"}
+        mask = "causal" if self.causal else "non-causal"
+        if self.window != (-1, -1):
+            mask += f" w{self.window[0]}_{self.window[1]}"
+        return shape | {"HQ": f"HQ={self.HQ}", "HKV": f"HKV={self.HKV}", "D": f"D={self.D}", "dtype": self.dtype,
+                        "mask": mask}
+
+    @property
     def label(self) -> str:
-        w = "" if self.window == (-1, -1) else f" w{self.window[0]}_{self.window[1]}"
-        shape = f"packed{list(self.lens)}" if self.lens is not None else f"B={self.B} S={self.S}"
-        return f"{shape} HQ={self.HQ} HKV={self.HKV} D={self.D} {self.dtype}{' causal' if self.causal else ''}{w}"
+        return " ".join(self.parts.values())
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of q, k, v, out and their gradients: ``2 T (2 HQ + 2 HKV) D`` elements."""
+        return 2 * sum(self.seq_lens) * (2 * self.HQ + 2 * self.HKV) * self.D * self.torch_dtype.itemsize
 
     def flops(self, mode: str) -> float:
         left, right = self.window[0], 0 if self.causal else self.window[1]
@@ -85,6 +99,12 @@ class Row:
         d = asdict(self)
         d["problem"] = asdict(self.problem) | {"label": self.problem.label}
         return d
+
+
+def common_label(problems) -> str:
+    """The label fields every problem shares (``HQ=16 HKV=4 D=64 float32 causal`` for a sweep over S)."""
+    first = problems[0].parts
+    return " ".join(v for k, v in first.items() if all(p.parts.get(k) == v for p in problems[1:]))
 
 
 def _sweep(S_list, **kw):
@@ -339,6 +359,18 @@ def peak_growth_mib(p: Problem, provider: str, mode: str = "fwdbwd", device="cpu
     return _peak_growth(device, base)
 
 
+def _failed(exc: Exception) -> str:
+    return f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+
+
+def _build(name: str, p: Problem, inputs) -> tuple:
+    """``(fn or None, note)`` of one provider; a provider that raises while setting up is reported."""
+    try:
+        return PROVIDERS[name](p, *inputs)
+    except Exception as exc:  # noqa: BLE001 - a provider that fails is reported, not fatal
+        return None, _failed(exc)
+
+
 def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("fwd", "fwdbwd"),
         repeats=3, warmup=1, device="cpu", progress=None) -> list[Row]:
     """Measure every (problem, provider, mode); ``progress(advance_by_one)`` is called per unit."""
@@ -346,7 +378,7 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
     rows = []
     for p in problems:
         inputs = _inputs(p, device)
-        built = {name: PROVIDERS[name](p, *inputs) for name in providers}
+        built = {name: _build(name, p, inputs) for name in providers}
         for mode in modes:
             steps, mode_rows = {}, {}
             for name, (fn, note) in built.items():
@@ -362,7 +394,7 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
                     _sync(device)
                     row.peak_mem_mib = _peak_growth(device, base)
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
-                    row.note = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+                    row.note = _failed(exc)
                     steps.pop(name, None)
             for name, seconds in time_interleaved(steps, repeats, warmup=0, device=device).items():
                 row = mode_rows[name]
