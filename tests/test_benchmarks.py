@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -26,3 +28,15 @@ def test_gpu_benchmark_correctness_part_without_gpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["correctness"] and all(r["passed"] for r in report["correctness"])
     assert "verdict: correctness PASS" in run.stdout
+
+
+def test_hf_benchmark_quick(tmp_path):
+    pytest.importorskip("transformers", minversion="5.4")
+    out = tmp_path / "hf.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert [r["impl"] for r in report["rows"]] == ["sinkattn", "eager", "sinkattn"]
+    assert all(r["seconds"] > 0 and r["peak_growth_mib"] is not None for r in report["rows"])
+    assert "time_vs_eager" in report["ratios"] and "not run" in run.stdout

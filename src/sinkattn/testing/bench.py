@@ -34,7 +34,7 @@ from ..interface import sink_attn_func, sink_attn_varlen_func
 from . import eager, flops
 
 __all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header", "time_interleaved", "common_label",
-           "sinkattn_step", "peak_growth_mib", "plot"]
+           "sinkattn_step", "peak_growth_mib", "step_peak_growth_mib", "plot"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
 
@@ -344,6 +344,16 @@ def sinkattn_step(p: Problem, mode: str, device="cpu"):
     return _step(fn, inputs, mode)
 
 
+def step_peak_growth_mib(step, device="cpu") -> float | None:
+    """Peak memory growth of one run of ``step()``, in MiB: the CUDA allocator's peak, or on CPU the
+    process's RSS high-water mark (reset first through /proc/self/clear_refs) over its RSS before."""
+    device = torch.device(device)
+    base = _reset_peak(device)
+    step()
+    _sync(device)
+    return _peak_growth(device, base)
+
+
 def peak_growth_mib(p: Problem, provider: str, mode: str = "fwdbwd", device="cpu") -> float | None:
     """Peak memory growth of one first run of ``mode`` (inputs already allocated), in MiB.
     On CPU this reads the process's peak RSS: run it in a fresh process for a clean figure."""
@@ -352,11 +362,7 @@ def peak_growth_mib(p: Problem, provider: str, mode: str = "fwdbwd", device="cpu
     fn, note = PROVIDERS[provider](p, *inputs)
     if fn is None:
         raise ValueError(f"{provider} cannot run {p.label}: {note}")
-    step = _step(fn, inputs, mode)
-    base = _reset_peak(device)
-    step()
-    _sync(device)
-    return _peak_growth(device, base)
+    return step_peak_growth_mib(_step(fn, inputs, mode), device)
 
 
 def _failed(exc: Exception) -> str:

@@ -1,0 +1,134 @@
+"""The attention function sinkattn registers in ``transformers.AttentionInterface``.
+
+Hugging Face calls it from every attention layer with ``query [B, HQ, Sq, D]``,
+``key``/``value [B, HKV, Sk, D]`` (``Sk >= Sq``: with a cache the keys hold the past too) and
+the layer's mask (what ``sinkattn.hf.masks.key_mask`` returned). It returns
+``(out [B, Sq, HQ, D], None)``. Per layer:
+
+    causal=True, window_size = (W - 1, 0) if sliding_window=W else (-1, -1)
+    sinks = s_aux (gpt-oss's ``sinks`` parameter, its own dtype), softmax_scale = scaling
+
+and one of three layouts, all bottom-right aligned (query i of a sequence with Lq queries and
+Lk keys is key Lk - Lq + i):
+
+    padding mask [B, n]       unpad the real tokens into ``sink_attn_varlen_func``, one sequence
+                              per row, padded query rows come back as zeros
+    cu_seq_lens_q/k + max_length_q/k   the rows are packed sequences (DataCollatorWithFlattening
+                              with return_flash_attn_kwargs=True): varlen over all B*S tokens
+    position_ids restarting at 0       packed sequences found from the positions (B = 1 or more)
+    otherwise                 ``sink_attn_func`` on the dense batch (decoding: Sq < Sk)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..interface import sink_attn_func, sink_attn_varlen_func
+from . import layout
+
+__all__ = ["attention_forward"]
+
+_EAGER = "or load the model with attn_implementation='eager'"
+_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _refuse(module, dropout, is_causal, kwargs) -> None:
+    """What sinkattn cannot honour: a clear error instead of a silently different result."""
+    if dropout and dropout > 0 and getattr(module, "training", True):
+        raise ValueError(f"sinkattn has no attention dropout, got dropout={dropout} in training; set "
+                         f"config.attention_dropout = 0.0 (gpt-oss's default) {_EAGER}")
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
+        raise ValueError("sinkattn never materializes attention weights, so output_attentions=True cannot be "
+                         f"served; drop output_attentions (also from the config) {_EAGER}")
+    if not is_causal:
+        raise ValueError(f"sinkattn.hf runs causal decoder attention only, got is_causal=False; {_EAGER}")
+
+
+def _int(name: str, value) -> int:
+    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+
+
+def _flash_layout(kwargs) -> layout.Layout | None:
+    """The packed layout of the flash kwargs, or None when none is given; all four or none."""
+    given = [k for k in _FLASH_KWARGS if kwargs.get(k) is not None]
+    if not given:
+        return None
+    if len(given) != len(_FLASH_KWARGS):
+        missing = [k for k in _FLASH_KWARGS if k not in given]
+        raise ValueError(f"sinkattn.hf: packed rows need all of {_FLASH_KWARGS}, got {given}, missing {missing}; "
+                         f"DataCollatorWithFlattening(return_flash_attn_kwargs=True) produces all four")
+    cu_q, cu_k = (kwargs[k].to(torch.int32).reshape(-1) for k in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    return layout.Layout(None, None, cu_q, cu_k, _int("max_length_q", kwargs["max_length_q"]),
+                         _int("max_length_k", kwargs["max_length_k"]))
+
+
+def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
+    """``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]`` through the varlen API -> ``[B, Sq, HQ, D]``."""
+    B, Sq, HQ, D = q.shape
+    qf, kf, vf = q.reshape(B * Sq, HQ, D), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    if lay.index_q is not None:
+        qf, kf, vf = qf[lay.index_q], kf[lay.index_k], vf[lay.index_k]
+    out = sink_attn_varlen_func(qf, kf, vf, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, **options)
+    if lay.index_q is not None:
+        out = out.new_zeros(B * Sq, HQ, D).index_put((lay.index_q,), out)
+    return out.view(B, Sq, HQ, D)
+
+
+def _padding_layout(mask, k, v, Sq: int, sliding_window):
+    """Check the real-key mask ``[B, n]`` against the keys, trim static-cache slots past ``n``."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        got = f"a {mask.dim()}-D mask {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"sinkattn.hf cannot express {got} (a custom or prepared attention mask); pass a 2-D padding mask "
+            f"[B, S], packed rows as position_ids restarting at 0 or cu_seq_lens_q/k + max_length_q/k, {_EAGER}")
+    if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        raise TypeError(f"sinkattn.hf: a 2-D attention_mask must be bool or integer (1 = real token), got {mask.dtype}")
+    B, n = mask.shape
+    if k.shape[1] < n or n < Sq or mask.shape[0] != k.shape[0]:
+        raise ValueError(f"sinkattn.hf: attention mask {tuple(mask.shape)} does not fit {Sq} queries and "
+                         f"{k.shape[1]} keys per row (batch {k.shape[0]}); it must be [B, n] with Sq <= n <= Sk")
+    k, v = k[:, :n], v[:, :n]               # a static cache's unwritten slots follow the n real columns
+    lay = layout.memoized("padding", mask, lambda m, s: layout.from_padding_mask(m.to(torch.bool), s), Sq)
+    if sliding_window and not lay.contiguous:
+        raise ValueError("sinkattn.hf: padding inside a row (real tokens on both sides of a pad) with a sliding "
+                         "window: sinkattn counts the window in real tokens, eager in positions; pad on the left "
+                         f"or the right only, {_EAGER}")
+    return lay, k, v
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      s_aux=None, *, backend: str = "auto", **kwargs):
+    """Hugging Face attention-interface function: ``(out [B, Sq, HQ, D], None)`` (see the module doc).
+
+    Args:
+        module: the attention layer (reads ``training``, ``is_causal``, ``config.output_attentions``).
+        query: ``[B, HQ, Sq, D]``; key, value: ``[B, HKV, Sk, D]``, ``Sq <= Sk``.
+        attention_mask: None or the real-key mask ``bool [B, n]`` of ``sinkattn.hf.masks.key_mask``.
+        scaling: softmax scale (default ``1/sqrt(D)``); sliding_window: ``W`` or None.
+        s_aux: sinks ``[HQ]`` (any float dtype, gradient in its dtype) or None.
+        backend: sinkattn backend, ``"auto"`` = cpu for CPU tensors, triton for CUDA tensors.
+        kwargs: ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``is_causal``,
+            ``output_attentions``; the rest is ignored.
+    """
+    is_causal = kwargs.get("is_causal")
+    _refuse(module, dropout, getattr(module, "is_causal", True) if is_causal is None else is_causal, kwargs)
+    options = dict(sinks=s_aux, softmax_scale=scaling, causal=True, backend=backend,
+                   window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)     # [B, S, H, D]
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    flash = _flash_layout(kwargs)
+    if attention_mask is not None:
+        if flash is not None:
+            raise ValueError("sinkattn.hf: got both a padding attention_mask and cu_seq_lens_q/k; packed rows carry "
+                             "no padding, pass one or the other")
+        lay, k, v = _padding_layout(attention_mask, k, v, Sq, sliding_window)
+        return _varlen(q, k, v, lay, options), None
+    if flash is not None:
+        return _varlen(q, k, v, flash, options), None
+    position_ids = kwargs.get("position_ids")
+    if position_ids is not None and Sq == Sk and Sq > 1 and position_ids.shape[-1] == Sq:
+        lay = layout.memoized("positions", position_ids, layout.from_position_ids, B)
+        if lay.sequences > B:
+            return _varlen(q, k, v, lay, options), None
+    return sink_attn_func(q, k, v, **options), None

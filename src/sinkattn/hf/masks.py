@@ -1,0 +1,99 @@
+"""The mask function sinkattn registers in ``transformers.masking_utils.AttentionMaskInterface``.
+
+Hugging Face builds one mask per layer type (full / sliding) before the layers run, by calling
+the registered function with the mask *pattern* (``mask_function``: causal, or causal and a
+sliding window) and the 2-D padding mask. sinkattn computes the pattern itself (``causal=True``,
+``window_size=(W - 1, 0)``), so all it needs from the mask is which keys are real:
+
+    returns None                  every key of the layer is real (dense call, bottom-right aligned)
+    returns bool [B, n]           key column j of the layer is real iff mask[b, j]; the layer's key
+                                  tensor has n real columns first (a static cache may hold more)
+
+Column ``j`` of the layer's keys is absolute position ``kv_offset + j``; the queries are the
+absolute positions ``q_offset .. q_offset + q_length - 1``, the last ``q_length`` of the ``n``
+columns. A pattern it does not recognise (custom ``or_mask_function`` / ``and_mask_function``,
+block overlays, bidirectional or chunked attention) raises instead of being dropped silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["key_mask", "pattern_window"]
+
+_FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
+
+
+def _cells(fn) -> dict:
+    """The closure variables of ``fn`` by name (empty for a plain function)."""
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    return {n: c.cell_contents for n, c in zip(names, fn.__closure__ or ())}
+
+
+def _parts(fn) -> list:
+    """The mask functions that ``and_masks`` combined into ``fn``, flattened; ``[fn]`` otherwise."""
+    if getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        return [p for inner in _cells(fn)["mask_functions"] for p in _parts(inner)]
+    return [fn]
+
+
+def pattern_window(fn) -> int | None:
+    """``None`` for Hugging Face's causal pattern, ``W`` for causal with sliding window ``W``.
+
+    Recognised: ``causal_mask_function``, ``sliding_window_causal_mask_function(W)`` and the
+    packed-sequence wrappers of either (sinkattn packs from ``position_ids`` itself). Anything
+    else raises ``ValueError``: sinkattn cannot honour a mask pattern it does not know.
+    """
+    from transformers import masking_utils as mu
+
+    causal, window, unknown = False, None, []
+    for part in _parts(fn):
+        name = getattr(part, "__qualname__", repr(part))
+        if part is mu.causal_mask_function:
+            causal = True
+        elif name == "sliding_window_overlay.<locals>.inner_mask":
+            window = _cells(part)["sliding_window"]
+        elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+            inner = pattern_window(_cells(part)["mask_function"])
+            causal, window = True, inner if inner is not None else window
+        elif name == "packed_sequence_mask_function.<locals>.inner_mask":
+            continue
+        else:
+            unknown.append(name)
+    if unknown or not causal:
+        raise ValueError(
+            f"sinkattn.hf: attention mask pattern {unknown or [getattr(fn, '__qualname__', fn)]} is not one sinkattn "
+            f"can express (it computes causal and sliding-window attention with padding and packed rows only); "
+            f"{_FIX} without or_mask_function / and_mask_function / block_sequence_ids")
+    return window
+
+
+def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
+                  device=None, **kwargs) -> torch.Tensor | None:
+    """Hugging Face's mask-interface call -> ``None`` or the real-key mask ``bool [B, n]`` (module doc)."""
+    if mask_function is not None:
+        window = pattern_window(mask_function)
+        if local_size is not None and window is not None and window != local_size:
+            raise ValueError(f"sinkattn.hf: mask pattern has sliding window {window} but the layer asks for "
+                             f"{local_size}; {_FIX} with one window")
+    q_offset, kv_offset = int(q_offset), int(kv_offset)      # a static cache hands a 0-d tensor
+    end = q_offset + q_length                                # one past the last query's absolute position
+    n = end - kv_offset
+    if not q_length <= n <= kv_length:
+        raise ValueError(
+            f"sinkattn.hf: cannot map this cache onto its keys: queries end at position {end}, the layer's keys "
+            f"start at {kv_offset} and hold {kv_length} slots; use a DynamicCache / StaticCache from transformers "
+            f"or attn_implementation='eager'")
+    if attention_mask is None:
+        if n == kv_length:
+            return None
+        return torch.ones(batch_size, n, dtype=torch.bool, device=device)
+    if attention_mask.shape[-1] < end:
+        raise ValueError(
+            f"sinkattn.hf: the 2-D attention_mask covers {attention_mask.shape[-1]} positions but the queries reach "
+            f"position {end - 1}; pass a mask over the past and the new tokens, shape [B, {end}] or longer")
+    keys = attention_mask[:, kv_offset:end].to(torch.bool)
+    if n == kv_length and bool(keys.all()):
+        return None
+    return keys

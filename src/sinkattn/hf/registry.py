@@ -1,0 +1,70 @@
+"""``register``: put sinkattn into transformers' attention and mask interfaces under a name."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from .. import backends
+from .attention import attention_forward
+from .masks import key_mask
+
+__all__ = ["register", "missing_features", "MIN_TRANSFORMERS"]
+
+MIN_TRANSFORMERS = "5.4"
+_OURS: dict[str, tuple[str, object]] = {}     # name -> (backend, the function registered under it)
+
+
+def missing_features(transformers_module, masking_utils) -> list[str]:
+    """What sinkattn.hf needs from transformers and this installation lacks (empty: all there)."""
+    missing = [f"transformers.{n}" for n in ("AttentionInterface",) if not hasattr(transformers_module, n)]
+    missing += [f"masking_utils.{n}" for n in ("AttentionMaskInterface", "causal_mask_function",
+                                               "flash_attention_mask") if not hasattr(masking_utils, n)]
+    if hasattr(masking_utils, "flash_attention_mask") and \
+            "q_offset" not in inspect.signature(masking_utils.flash_attention_mask).parameters:
+        missing.append("mask functions called with q_offset / kv_offset")
+    return missing
+
+
+def _transformers():
+    try:
+        import transformers
+        from transformers import masking_utils
+    except ImportError as exc:
+        raise ImportError(f"sinkattn.hf needs transformers >= {MIN_TRANSFORMERS}: pip install 'sinkattn[hf]' "
+                          f"({exc})") from exc
+    missing = missing_features(transformers, masking_utils)
+    if missing:
+        raise ImportError(f"sinkattn.hf needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__} "
+                          f"which lacks {', '.join(missing)}; pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+    return transformers, masking_utils
+
+
+def register(name: str = "sinkattn", backend: str = "auto") -> str:
+    """Register sinkattn under ``name`` in transformers' attention and mask interfaces; returns ``name``.
+
+    Afterwards ``attn_implementation=name`` (``from_pretrained``, ``from_config``,
+    ``model.set_attn_implementation``) runs every attention layer through ``sinkattn::forward``.
+    ``backend`` forces a sinkattn backend for everything run under this name (``"auto"``: cpu for
+    CPU tensors, triton for CUDA tensors; ``"cpu"``, ``"triton"``, ``"reference"``); register
+    several names to have several. Calling it again with the same arguments changes nothing;
+    with another backend it re-points ``name``. Raises ImportError naming the transformers
+    version needed when the installed one lacks what the integration uses.
+    """
+    if not isinstance(name, str) or not name or "/" in name or "|" in name:
+        raise ValueError(f"name must be a non-empty str without '/' or '|' (hub-kernel syntax), got {name!r}")
+    if backend != "auto" and backend not in backends.NAMES:
+        raise ValueError(f"backend must be one of {('auto',) + backends.NAMES}, got {backend!r}")
+    transformers, masking_utils = _transformers()
+    attn, masks = transformers.AttentionInterface, masking_utils.AttentionMaskInterface
+    ours = _OURS.get(name)
+    taken = name in attn._global_mapping or name in masks._global_mapping
+    if taken and (ours is None or attn._global_mapping.get(name) is not ours[1]):
+        raise ValueError(f"attention implementation {name!r} is already registered by transformers or another "
+                         f"library; pick another name for sinkattn")
+    if ours is None or ours[0] != backend:
+        fn = functools.partial(attention_forward, backend=backend) if backend != "auto" else attention_forward
+        _OURS[name] = (backend, fn)
+    attn.register(name, _OURS[name][1])
+    masks.register(name, key_mask)
+    return name

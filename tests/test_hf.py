@@ -1,0 +1,323 @@
+"""sinkattn.hf against Hugging Face's own eager gpt-oss attention, on small random models.
+
+Every model is built from a GptOssConfig (sinkattn.testing.gpt_oss; no downloads, HF_HUB_OFFLINE=1):
+4 layers alternating sliding (window 8) / full attention, sequences longer than the window,
+sharp attention and sinks ``2 * randn``. Each comparison runs the same weights twice, eager and
+sinkattn; packed rows are compared with each sequence run alone (eager does not isolate the
+sequences of a packed row). Tolerances: fp32 logits within 2e-5 of the logit scale, every
+parameter gradient within 1e-4 of that gradient's scale.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+transformers = pytest.importorskip("transformers", minversion="5.4")
+
+import sinkattn.hf  # noqa: E402
+from sinkattn.testing import gpt_oss  # noqa: E402
+from transformers import DataCollatorWithFlattening, StaticCache  # noqa: E402
+from transformers import masking_utils  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = sinkattn.hf.register()
+LOGIT_RTOL, GRAD_RTOL = 2e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(eager model, sinkattn model) with identical weights."""
+    return gpt_oss.model(), gpt_oss.model(attn_implementation=NAME)
+
+
+def rel(actual, expected) -> float:
+    """max |actual - expected| / max |expected|."""
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def run(model, weights, *calls):
+    """Run ``calls`` (each ``(kwargs, keep)``: model inputs and a bool mask of the logits to keep)
+    and back-propagate ``sum(logits[keep] * weights[i])``; returns (kept logits concatenated, grads)."""
+    model.zero_grad(set_to_none=True)
+    kept = torch.cat([model(**kwargs).logits[keep] for kwargs, keep in calls])
+    (kept * weights[: kept.shape[0]]).sum().backward()
+    return kept.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_close(eager, ours, label):
+    (logits_e, grads_e), (logits_o, grads_o) = eager, ours
+    assert rel(logits_o, logits_e) <= LOGIT_RTOL, f"{label}: logits rel err {rel(logits_o, logits_e):.2e}"
+    assert grads_o.keys() == grads_e.keys()
+    sinks = [n for n in grads_e if n.endswith("self_attn.sinks")]
+    assert len(sinks) == 4
+    for name, g in grads_e.items():
+        assert g.abs().max() > 0, f"{label}: {name} got no gradient"
+        err = rel(grads_o[name], g)
+        assert err <= GRAD_RTOL, f"{label}: grad {name} rel err {err:.2e}"
+
+
+def weights_for(n_rows, vocab=128, seed=1):
+    return torch.randn(n_rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def test_dense_batch_logits_and_every_gradient(pair):
+    ids = torch.randint(1, 128, (2, 24))
+    keep = torch.ones(2, 24, dtype=torch.bool)
+    w = weights_for(48)
+    assert_close(run(pair[0], w, (dict(input_ids=ids), keep)), run(pair[1], w, (dict(input_ids=ids), keep)), "dense")
+
+
+def test_right_padded_batch_on_real_tokens(pair):
+    ids = torch.randint(1, 128, (3, 22))
+    mask = torch.ones(3, 22, dtype=torch.long)
+    mask[1, 13:] = 0
+    mask[2, 5:] = 0
+    ids[mask == 0] = 0
+    call = (dict(input_ids=ids, attention_mask=mask), mask.bool())
+    w = weights_for(int(mask.sum()))
+    assert_close(run(pair[0], w, call), run(pair[1], w, call), "right-padded")
+
+
+def alone_calls(seqs):
+    return [(dict(input_ids=s[None]), torch.ones(1, len(s), dtype=torch.bool)) for s in seqs]
+
+
+@pytest.mark.parametrize("rows", [1, 2], ids=["B=1", "B=2"])
+def test_packed_by_position_ids_equals_each_sequence_alone(pair, rows):
+    lengths = [[9, 13, 6], [11, 17]][:rows]
+    width = max(sum(r) for r in lengths)
+    ids = torch.randint(1, 128, (rows, width))
+    pos = torch.zeros(rows, width, dtype=torch.long)
+    seqs = []
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row + [width - sum(row)]:         # pad each row to the width with one more sequence
+            if n:
+                pos[b, start:start + n] = torch.arange(n)
+                seqs.append(ids[b, start:start + n])
+            start += n
+    w = weights_for(rows * width)
+    packed = run(pair[1], w, (dict(input_ids=ids, position_ids=pos), torch.ones(rows, width, dtype=torch.bool)))
+    alone = run(pair[0], w, *alone_calls(seqs))
+    assert_close(alone, packed, f"packed by position_ids, {rows} row(s)")
+
+
+def test_packed_by_data_collator_with_flattening(pair):
+    seqs = [torch.randint(1, 128, (n,)) for n in (10, 15, 4, 12)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s.tolist()} for s in seqs])
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"} <= batch.keys()
+    labels = batch.pop("labels")
+    total = sum(len(s) for s in seqs)
+    w = weights_for(total)
+    packed = run(pair[1], w, (dict(batch), torch.ones(1, total, dtype=torch.bool)))
+    assert_close(run(pair[0], w, *alone_calls(seqs)), packed, "DataCollatorWithFlattening")
+    with torch.no_grad():          # the model's own loss over the packed labels = that of the sequences alone
+        loss = pair[1](**batch, labels=labels).loss
+        alone = torch.cat([pair[0](input_ids=s[None]).logits[0] for s in seqs])
+    expected = torch.nn.functional.cross_entropy(alone[:-1], labels[0, 1:], ignore_index=-100)
+    assert torch.allclose(loss, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generate_left_padded_past_the_window(pair, cache):
+    ids = torch.randint(1, 128, (3, 13))
+    mask = torch.ones(3, 13, dtype=torch.long)
+    mask[0, :9] = 0
+    mask[1, :2] = 0
+    ids[mask == 0] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, cache_implementation=cache)
+    eager, ours = pair[0].generate(ids, **kw), pair[1].generate(ids, **kw)
+    assert torch.equal(ours.sequences, eager.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, eager.logits)):
+        assert rel(a, b) <= LOGIT_RTOL, f"step {step}: rel err {rel(a, b):.2e}"
+
+
+def test_bf16_model_error_at_most_twice_eager_bf16(pair):
+    ids = torch.randint(1, 128, (2, 40))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 25:] = 0
+    real = mask.bool()
+    bf16 = [gpt_oss.model(attn_implementation=a).to(torch.bfloat16) for a in ("eager", NAME)]
+    golden = gpt_oss.model().to(torch.bfloat16).float()             # the same rounded weights, run in fp32
+    with torch.no_grad():
+        ref = golden(input_ids=ids, attention_mask=mask).logits[real]
+        err_eager, err_ours = ((m(input_ids=ids, attention_mask=mask).logits[real].float() - ref).abs().max()
+                               for m in bf16)
+    assert 0 < err_ours <= 2 * err_eager, f"sinkattn bf16 err {err_ours:.3g}, eager bf16 err {err_eager:.3g}"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the sinkattn custom ops actually dispatched (not replaced: each call still runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "sinkattn":                     # (op name, backend: the op's one str argument)
+            self.calls.append((func.name(), next(a for a in args if isinstance(a, str))))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_layer_runs_through_the_sinkattn_op(pair):
+    ids = torch.randint(1, 128, (2, 12))
+    for model, expected in ((pair[1], 4), (pair[0], 0)):
+        with OpCounter() as counter:
+            model(input_ids=ids).logits.sum().backward()
+        model.zero_grad(set_to_none=True)
+        names = [name for name, _ in counter.calls]
+        assert names.count("sinkattn::forward") == expected and names.count("sinkattn::backward") == expected
+        assert all(backend == "cpu" for _, backend in counter.calls)
+
+
+def test_register_is_idempotent_and_forces_a_backend(pair):
+    fn = transformers.AttentionInterface._global_mapping[NAME]
+    assert sinkattn.hf.register() == NAME and transformers.AttentionInterface._global_mapping[NAME] is fn
+    assert masking_utils.AttentionMaskInterface._global_mapping[NAME] is sinkattn.hf.key_mask
+    forced = sinkattn.hf.register("sinkattn-reference", backend="reference")
+    model = gpt_oss.model(attn_implementation=forced)
+    ids = torch.randint(1, 128, (1, 12))
+    with torch.no_grad(), OpCounter() as counter:
+        logits = model(input_ids=ids).logits
+        expected = pair[0](input_ids=ids).logits
+    assert [b for _, b in counter.calls] == ["reference"] * 4
+    assert rel(logits, expected) <= LOGIT_RTOL
+
+
+def test_from_pretrained_and_from_config_select_sinkattn(pair, tmp_path):
+    pair[0].save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME).eval()
+    built = transformers.AutoModelForCausalLM.from_config(gpt_oss.config(), attn_implementation=NAME)
+    assert loaded.config._attn_implementation == NAME and built.config._attn_implementation == NAME
+    ids = torch.randint(1, 128, (1, 20))
+    with torch.no_grad(), OpCounter() as counter:
+        got = loaded(input_ids=ids).logits
+    assert len(counter.calls) == 4
+    with torch.no_grad():
+        assert rel(got, pair[0](input_ids=ids).logits) <= LOGIT_RTOL
+
+
+def module_with(sinks, training=False):
+    cfg = gpt_oss.config()
+    attn = transformers.models.gpt_oss.modeling_gpt_oss.GptOssAttention(cfg, 0).train(training)
+    attn.sinks = torch.nn.Parameter(sinks)
+    return attn
+
+
+@pytest.mark.parametrize("Sq,Sk,window", [(9, 9, None), (9, 9, 4), (3, 11, None), (3, 11, 4), (1, 11, 4)])
+def test_attention_forward_matches_hf_eager_bottom_right(Sq, Sk, window):
+    """Direct call: decoding shapes (Sq < Sk), windows, a non-default scaling and fp32 sinks."""
+    module = module_with(torch.randn(4) * 2)
+    q, k, v = torch.randn(2, 4, Sq, 16), torch.randn(2, 2, Sk, 16), torch.randn(2, 2, Sk, 16)
+    i, j = torch.arange(Sq)[:, None] + (Sk - Sq), torch.arange(Sk)[None]
+    visible = (j <= i) & ((j > i - window) if window else True)
+    additive = torch.zeros(Sq, Sk).masked_fill(~visible, torch.finfo(torch.float32).min)
+    expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.3)
+    got, weights = sinkattn.hf.attention_forward(module, q, k, v, None, scaling=0.3, sliding_window=window,
+                                                 s_aux=module.sinks)
+    assert weights is None and got.shape == (2, Sq, 4, 16)
+    assert torch.allclose(got, expected, atol=2e-6, rtol=0)
+
+
+def test_padded_query_rows_are_zero_and_fp32_sinks_keep_their_dtype():
+    module = module_with(torch.randn(4) * 2)
+    q, k, v = (torch.randn(2, h, 10, 16, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :4] = False                                  # left padding
+    out, _ = sinkattn.hf.attention_forward(module, q, k, v, mask, s_aux=module.sinks, sliding_window=4)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.equal(out[0, :4], torch.zeros_like(out[0, :4])) and out[0, 4:].abs().max() > 0
+    out.float().sum().backward()
+    assert module.sinks.grad.dtype == torch.float32 and module.sinks.grad.abs().min() > 0
+
+
+def test_refuses_dropout_in_training():
+    model = gpt_oss.model(gpt_oss.config(attention_dropout=0.1), attn_implementation=NAME).train()
+    with pytest.raises(ValueError, match="attention_dropout = 0.0"):
+        model(input_ids=torch.randint(1, 128, (1, 8)))
+    model.eval()(input_ids=torch.randint(1, 128, (1, 8)))         # dropout is off in eval: runs
+
+
+def test_refuses_a_4d_mask(pair):
+    with pytest.raises(ValueError, match="cannot express a 4-D mask"):
+        pair[1](input_ids=torch.randint(1, 128, (1, 8)), attention_mask=torch.zeros(1, 1, 8, 8))
+
+
+def test_refuses_custom_mask_patterns(pair):
+    embeds = torch.zeros(1, 8, 64)
+    with pytest.raises(ValueError, match="and_mask_function"):
+        masking_utils.create_causal_mask(pair[1].config, embeds, None, None,
+                                         and_mask_function=lambda b, h, q, kv: kv >= 0)
+    with pytest.raises(ValueError, match="block_sequence_ids"):
+        masking_utils.create_sliding_window_causal_mask(pair[1].config, embeds, None, None,
+                                                        block_sequence_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_refuses_a_static_cache_mask_it_cannot_map(pair):
+    cache = StaticCache(config=pair[1].config, max_cache_len=32)
+    ids = torch.randint(1, 128, (2, 10))
+    with torch.no_grad():
+        pair[1](input_ids=ids, attention_mask=torch.ones(2, 10, dtype=torch.long), cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="covers 1 positions"):
+            pair[1](input_ids=ids[:, :1], attention_mask=torch.ones(2, 1, dtype=torch.long), cache=cache,
+                    use_cache=True)
+
+
+def test_refuses_attention_weights(pair):
+    with pytest.raises(ValueError, match="output_attentions"):
+        pair[1](input_ids=torch.randint(1, 128, (1, 8)), output_attentions=True)
+
+
+def test_refuses_incomplete_flash_kwargs_and_padding_inside_a_row():
+    module = module_with(torch.zeros(4))
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="missing"):
+        sinkattn.hf.attention_forward(module, q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    gap = torch.tensor([[True, True, False, True, True, True, True, True]])
+    with pytest.raises(ValueError, match="padding inside a row"):
+        sinkattn.hf.attention_forward(module, q, k, v, gap, sliding_window=4)
+    sinkattn.hf.attention_forward(module, q, k, v, gap)              # full attention: a gap changes nothing
+
+
+def test_register_refuses_bad_names_and_backends():
+    with pytest.raises(ValueError, match="already registered"):
+        sinkattn.hf.register("sdpa")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sinkattn.hf.register("sinkattn-x", backend="gpu")
+    with pytest.raises(ValueError, match="non-empty str"):
+        sinkattn.hf.register("")
+
+
+def test_version_check_names_what_is_missing():
+    from sinkattn.hf.registry import missing_features
+    assert missing_features(transformers, masking_utils) == []
+    old = types.SimpleNamespace(flash_attention_mask=lambda batch_size, cache_position, kv_length: None)
+    missing = missing_features(types.SimpleNamespace(), old)
+    assert "transformers.AttentionInterface" in missing and "masking_utils.AttentionMaskInterface" in missing
+    assert "mask functions called with q_offset / kv_offset" in missing
+
+
+def test_import_sinkattn_does_not_import_transformers():
+    code = "import sys, sinkattn, sinkattn.hf; assert 'transformers' not in sys.modules, 'imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+def test_finetune_example_runs_and_loss_falls():
+    script = ROOT / "examples" / "finetune_gpt_oss_packed.py"
+    args = ["--steps", "8", "--tokens-per-row", "256", "--documents", "120", "--no-progress"]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "loss fell" in run.stdout and "attention: sinkattn (backend cpu)" in run.stdout
