@@ -93,6 +93,16 @@ def measure(impl: str, n_seqs: int, seq_len: int, repeats: int, config: dict, fr
     return row
 
 
+def _ratio(ours: float, theirs: float) -> float | None:
+    """``ours / theirs``; None when the peer's figure is not positive (a tiny in-process smoke run
+    can reuse freed heap and grow by 0 MiB), so no ratio is invented."""
+    return ours / theirs if theirs > 0 else None
+
+
+def _show(ratio: float | None) -> str:
+    return f"{ratio:.3f}x" if ratio is not None else "n/a (peer measured 0)"
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
@@ -114,8 +124,8 @@ def main(argv=None) -> dict:
     rows = [measure(impl, 4, short, repeats, MODEL, fresh) for impl in ("sinkattn", "eager")]
     rows.append(measure("sinkattn", 4, long_, max(1, repeats // 2), MODEL, fresh))
     ours, eager, big = rows
-    ratios = dict(time_vs_eager=ours["seconds"] / eager["seconds"],
-                  peak_growth_vs_eager=ours["peak_growth_mib"] / eager["peak_growth_mib"])
+    ratios = dict(time_vs_eager=_ratio(ours["seconds"], eager["seconds"]),
+                  peak_growth_vs_eager=_ratio(ours["peak_growth_mib"], eager["peak_growth_mib"]))
     tokens = 4 * long_
     eager_scores_gib = MODEL["num_attention_heads"] * tokens * tokens * 4 / 2**30
     info = bench.header()
@@ -127,8 +137,8 @@ def main(argv=None) -> dict:
               f"{r['loadavg'][1]:.1f})")
     print(f"  eager    {f'4 x {long_}':>11s} tokens: not run (its fp32 scores alone: 16 x {tokens}^2 x 4 B = "
           f"{eager_scores_gib:.0f} GiB per layer)")
-    print(f"sinkattn / eager at 4 x {short}: time {ratios['time_vs_eager']:.3f}x (target <= 0.25x), "
-          f"peak growth {ratios['peak_growth_vs_eager']:.3f}x (target <= 0.2x)")
+    print(f"sinkattn / eager at 4 x {short}: time {_show(ratios['time_vs_eager'])} (target <= 0.25x), "
+          f"peak growth {_show(ratios['peak_growth_vs_eager'])} (target <= 0.2x)")
     report = dict(header=info, model=MODEL, rows=rows, ratios=ratios,
                   eager_not_run=f"4 x {long_}: fp32 scores {eager_scores_gib:.0f} GiB per layer")
     if args.json:

@@ -40,3 +40,11 @@ def test_hf_benchmark_quick(tmp_path):
     assert [r["impl"] for r in report["rows"]] == ["sinkattn", "eager", "sinkattn"]
     assert all(r["seconds"] > 0 and r["peak_growth_mib"] is not None for r in report["rows"])
     assert "time_vs_eager" in report["ratios"] and "not run" in run.stdout
+
+
+def test_hf_benchmark_ratio_has_no_value_when_the_peer_measured_zero():
+    """A smoke run in one process can reuse freed heap: eager's growth of 0 MiB once divided by zero."""
+    import runpy
+    hf = runpy.run_path(str(ROOT / "benchmarks" / "hf.py"))
+    assert hf["_ratio"](321.0, 0.0) is None and hf["_show"](None).startswith("n/a")
+    assert hf["_ratio"](1.0, 4.0) == 0.25
