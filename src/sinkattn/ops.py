@@ -7,7 +7,9 @@
 
 ``out_acc`` is in the backend's declared ``out_dtype`` (fp32; float64 for ``reference``), ``extra``
 the tensors it declares in ``saved``; ``dsinks`` is empty when there are no sinks. Every result is
-contiguous, exactly as the fake implementations describe it. The checks on the contents of
+contiguous, exactly as the fake implementations describe it, and every tensor handed to a backend
+is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), so no backend
+reads memory through a layout it does not assume. The checks on the contents of
 ``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
 (``check_cu_seqlens=False`` for the ones the dense entry point builds itself).
 Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``.
@@ -18,12 +20,9 @@ from __future__ import annotations
 import torch
 
 from . import backends, validation
+from .backends.buffers import contiguous
 
 __all__ = ["forward", "backward"]
-
-
-def _contiguous(tensors) -> list[torch.Tensor]:
-    return [t.contiguous() for t in tensors]
 
 
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
@@ -34,9 +33,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
     if check_cu_seqlens:
         validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k)
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
                                                      softmax_scale, left, right)
-    return _contiguous([out, lse, *extra])
+    return contiguous(out, lse, *extra)
 
 
 @forward.register_fake
@@ -55,10 +55,12 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              extra: list[torch.Tensor]) -> list[torch.Tensor]:
     if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
         dlse = None
+    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
+        do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
     dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
                                                          cu_seqlens_k, softmax_scale, left, right, tuple(extra))
     dsinks = dsinks if dsinks is not None else q.new_empty((0,))
-    return _contiguous([dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks])
+    return contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
 
 
 @backward.register_fake

@@ -1,4 +1,5 @@
-"""Result buffers of the fast backends, and the switch that poisons them for tests.
+"""Result buffers of the fast backends, the switch that poisons them for tests, and the layout of
+the tensors handed to a backend.
 
 Backends allocate every result with ``new`` (uninitialized) and must write each
 element. Inside ``poisoned()`` the buffers start as NaN, so an element a
@@ -11,7 +12,7 @@ import contextlib
 
 import torch
 
-__all__ = ["new", "poisoned"]
+__all__ = ["new", "poisoned", "contiguous"]
 
 _poison = False
 
@@ -31,3 +32,9 @@ def poisoned():
         yield
     finally:
         _poison = previous
+
+
+def contiguous(*tensors) -> list:
+    """Each tensor contiguous (a no-op when it already is; ``None`` passes through): the layout every
+    backend and every kernel pointer argument assumes, so a strided or offset view is copied first."""
+    return [t.contiguous() if t is not None else None for t in tensors]

@@ -85,6 +85,7 @@ def _max_len(cu: torch.Tensor) -> int:
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
     (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     Tq, HQ, D = q.shape
     HKV = k.shape[1]
     N = cu_seqlens_q.numel() - 1
@@ -109,6 +110,9 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
              extra):
     """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
+    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(
+        do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
+    extra = buffers.contiguous(*extra)
     Tq, HQ, D = q.shape
     HKV = k.shape[1]
     N = cu_seqlens_q.numel() - 1
@@ -117,7 +121,7 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     dv = buffers.new(v.shape, torch.float32, q.device)
     delta = buffers.new((HQ, Tq), torch.float32, q.device)
     if dlse is not None:
-        dlse = dlse.float().contiguous()
+        dlse = dlse.float()
     exact_delta = may_have_large_scores(q, k, softmax_scale)
     if Tq > 0 and not exact_delta:
         block_t = 16 if interpreting() else 64
