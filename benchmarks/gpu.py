@@ -52,6 +52,7 @@ def main(argv=None):
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
     report = dict(gpu=torch.cuda.get_device_name() if HAS_GPU else None, torch=torch.__version__)
+    bench_rc = 0
     if HAS_GPU:
         report["correctness"] = correctness(["L0", "L1"], scaled=False)
         bench_args = ["bench", "--config", "gpu-targets", "--modes", "fwd,bwd,fwdbwd", "--repeats", "20",
@@ -60,16 +61,18 @@ def main(argv=None):
             bench_args += ["--json", args.json.removesuffix(".json") + "-bench.json"]
         if args.plot:
             bench_args += ["--plot", args.plot]
-        cli.main(bench_args)
+        bench_rc = cli.main(bench_args)        # 1 when sinkattn failed on a problem or mode
+        report["bench_exit_code"] = bench_rc
     else:
         print("no CUDA GPU: correctness through the Triton interpreter on tiny shapes; GPU speed NOT measured")
         report["correctness"] = correctness(["L0"], scaled=True)
     ok = all(r["passed"] for r in report["correctness"])
-    print(f"verdict: correctness {'PASS' if ok else 'FAIL'}")
+    print(f"verdict: correctness {'PASS' if ok else 'FAIL'}"
+          + (f"; bench FAILED (exit code {bench_rc})" if bench_rc else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0 if ok else 1
+    return 0 if ok and bench_rc == 0 else 1
 
 
 if __name__ == "__main__":
