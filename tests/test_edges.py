@@ -55,6 +55,17 @@ def test_huge_windows_mean_unbounded(backend, window, same_as):
     _assert_matches_golden(backend, window_size=window)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_scores_beyond_fp32_are_refused_by_the_fp32_backends(backend):
+    """A legal softmax_scale with large q and k: fp32 scores would overflow to NaN (Triton returned
+    all NaN); the float64 reference computes them."""
+    q, k, v, sinks = (x * 1e10 if i < 2 else x for i, x in enumerate(_dense(requires_grad=False)))
+    with pytest.raises(ValueError, match="softmax_scale.*beyond what fp32 holds"):
+        sinkattn.sink_attn_func(q, k, v, sinks=sinks, softmax_scale=1e18, backend=backend)
+    assert torch.isfinite(sinkattn.sink_attn_func(q, k, v, sinks=sinks, softmax_scale=1e18,
+                                                  backend="reference")).all()
+
+
 def test_numpy_bools_are_bools():
     q, k, v, sinks = _dense(requires_grad=False)
     out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=np.bool_(True), return_lse=np.bool_(True))

@@ -27,7 +27,7 @@ import triton
 from ... import sink
 from .. import buffers
 from ..capabilities import Capabilities, Saved
-from ..scores import may_have_large_scores
+from ..scores import check_fp32_range, may_have_large_scores, score_bound
 from . import kernels
 from .config import blocks_for
 
@@ -86,6 +86,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
     (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    check_fp32_range(score_bound(q, k, softmax_scale), q, k)       # the kernels' scores are fp32
     Tq, HQ, D = q.shape
     HKV = k.shape[1]
     N = cu_seqlens_q.numel() - 1
