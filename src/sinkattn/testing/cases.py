@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Case", "Inputs", "LEVELS", "SINK_VARIANTS", "cases", "random_packed"]
+__all__ = ["Case", "Inputs", "LEVELS", "SINK_VARIANTS", "INTERPRETER_RANDOM", "cases", "random_packed"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +197,10 @@ SINK_VARIANTS = {
     "none": dict(sink_scale=None),
 }
 """Sink vectors ``random_packed`` can draw, by name."""
+
+
+INTERPRETER_RANDOM = dict(max_seqs=3, max_len=32)
+"""``random_packed`` sizes for the Triton interpreter: up to two blocks of 16 rows per sequence."""
 
 
 def random_packed(seed: int, max_seqs: int = 9, max_len: int = 300, dtype=torch.float16,
