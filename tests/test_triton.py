@@ -63,3 +63,9 @@ def test_kernels_compile_for_ampere_and_hopper():
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert run.stdout.count("compiled") == 4
+
+
+def test_compensated_flag_must_be_a_bool(monkeypatch):
+    monkeypatch.setattr(triton_backend, "COMPENSATED", None)
+    result = verify.run_case(_small(cases.cases("L0")[0]), "triton", device=DEVICE)
+    assert result.error is not None and result.error.startswith("TypeError") and "COMPENSATED" in result.error
