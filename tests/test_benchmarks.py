@@ -40,3 +40,15 @@ def test_hf_benchmark_quick(tmp_path):
     assert [r["impl"] for r in report["rows"]] == ["sinkattn", "eager", "sinkattn"]
     assert all(r["seconds"] > 0 and r["peak_growth_mib"] is not None for r in report["rows"])
     assert "time_vs_eager" in report["ratios"] and "not run" in run.stdout
+
+
+def test_compensated_benchmark_smoke(tmp_path):
+    out = tmp_path / "compensated.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compensated.py"), "--seeds", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["compensated"]) for r in rows] == [
+        ("float16", False), ("float16", True), ("bfloat16", False), ("bfloat16", True)]
+    assert all({"o", "lse", "dq", "dk", "dv"} <= set(r["worst"]) for r in rows)
+    assert "fail Gate A" in run.stdout
