@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sinkattn.backends import triton as triton_backend  # noqa: E402
-from sinkattn.testing import cases, verify  # noqa: E402
+from sinkattn.testing import bench, cases, verify  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -70,8 +70,8 @@ def main(argv=None) -> dict:
                     print(f"    {f['case']}: {f['tensors']}")
     finally:
         triton_backend.COMPENSATED = saved
-    report = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (TRITON_INTERPRET=1)",
-              "command": "python benchmarks/compensated.py --seeds " + str(args.seeds), "rows": rows}
+    report = {"header": {**bench.header(DEVICE), "interpreter": DEVICE != "cuda"},
+              "command": f"python benchmarks/compensated.py --seeds {args.seeds}", "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
