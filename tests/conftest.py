@@ -9,6 +9,9 @@ import pytest  # noqa: E402
 
 from sinkattn.testing.verify import TENSORS
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the Triton tests put their tensors: the GPU when there is one, else the interpreter's CPU."""
+
 
 def describe(result) -> str:
     """One line per tensor, for assertion messages."""
@@ -26,4 +29,4 @@ def _seed():
     torch.manual_seed(0)
 
 
-__all__ = ["describe", "TENSORS"]
+__all__ = ["describe", "DEVICE", "TENSORS"]

@@ -48,3 +48,15 @@ def test_hf_benchmark_ratio_has_no_value_when_the_peer_measured_zero():
     hf = runpy.run_path(str(ROOT / "benchmarks" / "hf.py"))
     assert hf["_ratio"](321.0, 0.0) is None and hf["_show"](None).startswith("n/a")
     assert hf["_ratio"](1.0, 4.0) == 0.25
+
+
+def test_compensated_benchmark_smoke(tmp_path):
+    out = tmp_path / "compensated.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compensated.py"), "--seeds", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["compensated"]) for r in rows] == [
+        ("float16", False), ("float16", True), ("bfloat16", False), ("bfloat16", True)]
+    assert all({"o", "lse", "dq", "dk", "dv"} <= set(r["worst"]) for r in rows)
+    assert "fail Gate A" in run.stdout

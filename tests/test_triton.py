@@ -7,9 +7,7 @@ import torch
 
 from sinkattn.testing import cases, verify
 from sinkattn.backends import triton as triton_backend
-from conftest import describe
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from conftest import DEVICE, describe
 
 
 def _small(case):
@@ -23,13 +21,6 @@ def _params(level):
 
 @pytest.mark.parametrize("case", _params("L0") + _params("L1") + _params("L2") + _params("boundary"))
 def test_triton_gate_a(case):
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_triton_random_packed(seed):
-    case = cases.random_packed(seed, max_seqs=4, max_len=100)
     result = verify.run_case(case, "triton", device=DEVICE)
     assert result.passed, describe(result)
 
@@ -72,3 +63,9 @@ def test_kernels_compile_for_ampere_and_hopper():
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert run.stdout.count("compiled") == 4
+
+
+def test_compensated_flag_must_be_a_bool(monkeypatch):
+    monkeypatch.setattr(triton_backend, "COMPENSATED", None)
+    result = verify.run_case(_small(cases.cases("L0")[0]), "triton", device=DEVICE)
+    assert result.error is not None and result.error.startswith("TypeError") and "COMPENSATED" in result.error

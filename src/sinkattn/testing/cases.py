@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Case", "Inputs", "LEVELS", "cases", "random_packed"]
+__all__ = ["Case", "Inputs", "LEVELS", "SINK_VARIANTS", "INTERPRETER_RANDOM", "cases", "random_packed"]
 
 
 @dataclass(frozen=True)
@@ -189,8 +189,28 @@ BOUNDARY = [
 LEVELS = {"L0": L0, "L1": L1, "L2": L2, "boundary": BOUNDARY}
 
 
-def random_packed(seed: int, max_seqs: int = 9, max_len: int = 300, dtype=torch.float16) -> Case:
-    """A seeded packed batch: 1..max_seqs sequences, lengths 0..max_len, random mask and GQA shape."""
+SINK_VARIANTS = {
+    "randn": dict(sink_scale=1.0),
+    "10randn": dict(sink_scale=10.0),
+    "+30": dict(sink_value=30.0),      # the sink takes nearly all the mass: o and dsinks tiny
+    "-10": dict(sink_value=-10.0),
+    "none": dict(sink_scale=None),
+}
+"""Sink vectors ``random_packed`` can draw, by name."""
+
+
+INTERPRETER_RANDOM = dict(max_seqs=3, max_len=32)
+"""``random_packed`` sizes for the Triton interpreter: up to two blocks of 16 rows per sequence."""
+
+
+def random_packed(seed: int, max_seqs: int = 9, max_len: int = 300, dtype=torch.float16,
+                  head_dims: tuple[int, ...] = (16, 24, 32, 40, 64), sinks: tuple[str, ...] = tuple(SINK_VARIANTS)
+                  ) -> Case:
+    """A seeded packed batch: 1..max_seqs sequences, lengths 0..max_len, random mask and GQA shape,
+    D drawn from ``head_dims`` and the sink vector from ``sinks`` (names of ``SINK_VARIANTS``)."""
+    unknown = [name for name in sinks if name not in SINK_VARIANTS]
+    if unknown or not sinks:
+        raise ValueError(f"sinks must name some of {list(SINK_VARIANTS)}, got {list(sinks)}")
     r = random.Random(seed)
     n = r.randint(1, max_seqs)
     q_lens = [r.randint(0, max_len) for _ in range(n)]
@@ -198,8 +218,11 @@ def random_packed(seed: int, max_seqs: int = 9, max_len: int = 300, dtype=torch.
     HKV, G = r.choice([1, 2]), r.choice([1, 2, 4])
     causal = r.random() < 0.7
     window = (r.choice([-1, 0, 7, 63]), -1 if causal else r.choice([-1, 0, 9]))
-    return _c("random", HKV * G, G, q_lens, k_lens, D=r.choice([16, 64]), dtype=dtype, causal=causal,
-              window_size=window, note=f"seed{seed}", seed=seed)
+    D = r.choice(head_dims)
+    variant = r.choice(sinks)
+    note = f"seed{seed}" + ("" if variant == "randn" else f"-sinks{variant}")
+    return _c("random", HKV * G, G, q_lens, k_lens, D=D, dtype=dtype, causal=causal, window_size=window,
+              note=note, seed=seed, **SINK_VARIANTS[variant])
 
 
 def cases(level: str) -> list[Case]:

@@ -11,9 +11,9 @@ on the host in one fixed order. When scores may be large
 products the gradients use (``EXACT_DELTA``). No atomics: results are bitwise reproducible.
 
 Head dims 1-256 run (padded inside the kernels to the next power of two, at
-least 16). fp32 inputs use IEEE fp32 dot products. ``COMPENSATED = True``
-turns on the hi/lo split of ``P`` and ``dS`` in the backward products for
-fp16 / bf16 (DESIGN.md §3).
+least 16). fp32 inputs use IEEE fp32 dot products; fp16 / bf16 inputs split each
+fp32 ``P`` / ``dS`` tile that meets them in a product into ``hi`` and ``lo`` parts
+(``COMPENSATED``, docs/contract.md §3 "Compensated products").
 """
 
 from __future__ import annotations
@@ -33,16 +33,28 @@ from .config import blocks_for
 
 __all__ = ["CAPABILITIES", "forward", "backward", "COMPENSATED", "interpreting"]
 
-COMPENSATED: bool | None = None
-"""Split fp32 ``P`` / ``dS`` into a low-precision ``hi`` and ``lo = P - hi`` for the backward's
-matrix products (two products instead of one), for near-fp32 dQ/dK/dV from fp16/bf16 inputs.
-``None`` (default) turns it on for fp16 only: rounding ``P`` to fp16 (2^-11) in ``P^T dO`` leaves
-about 1.3% of dK/dV entries outside Gate A's fp16 rtol of 2^-9 (measured in the interpreter),
-while bf16's rtol of 2^-6 absorbs bf16 rounding."""
+COMPENSATED: bool = True
+"""Compensated products for fp16 / bf16 inputs (ignored for fp32). Where an fp32 tile ``P`` / ``dS``
+meets a low-precision operand (the forward's ``P V``, the backward's ``P^T dO``, ``dS^T Q``, ``dS K``)
+it is split into ``hi = round(P)`` and ``lo = round(P - hi)`` and both are multiplied.
+
+Why on by default for both: rounding ``P`` to the input dtype errs by its unit (2^-11 fp16, 2^-8 bf16)
+relative to each term, not to the sum, so where terms cancel the product misses Gate A's rtol (2^-9,
+2^-6); ``dsinks`` inherits the forward's error through ``Delta = <dO, o>``. Measured through the
+interpreter on the tests' random packed batches (``benchmarks/compensated.py --seeds 128``):
+``False`` fails Gate A on 68 of 128 fp16 batches (worst ratio dk 0.898) and 52 of 128 bf16 ones
+(o, dq, dk, dv; dsinks down to ratio 0.0); ``True`` on none (README, "Compensated products").
+
+Cost, in matrix products per visited (query block, key block) pair, all of the same size
+``2 BM BN D`` flops: forward 2 -> 3; backward 7 -> 10 (dK/dV kernel 4 -> 6, dQ kernel 3 -> 4), or
+9 -> 12 when ``EXACT_DELTA`` adds two; plus a cast and a subtraction per element of each split tile.
+``False`` (set before the call) is the faster opt-out, with the errors stated in the README."""
 
 
 def _compensated(dtype: torch.dtype) -> bool:
-    return (dtype == torch.float16) if COMPENSATED is None else (COMPENSATED and dtype != torch.float32)
+    if not isinstance(COMPENSATED, bool):
+        raise TypeError(f"sinkattn.backends.triton.COMPENSATED must be True or False, got {COMPENSATED!r}")
+    return COMPENSATED and dtype != torch.float32
 
 
 def interpreting() -> bool:
