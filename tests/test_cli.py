@@ -59,7 +59,7 @@ def test_bench_writes_json_with_every_figure_and_a_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0 and png.stat().st_size > 10_000
     data = json.loads(out.read_text())
-    assert {"machine", "torch", "sinkattn", "commit", "threads"} <= set(data["header"])
+    assert {"machine", "isa", "torch", "sinkattn", "commit", "threads"} <= set(data["header"])
     rows = data["rows"]
     assert {(r["provider"], r["mode"]) for r in rows} >= {(p, m) for p in ("sinkattn", "sdpa", "sdpa_lse", "eager")
                                                          for m in ("fwd", "bwd", "fwdbwd")}

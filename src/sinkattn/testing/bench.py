@@ -416,15 +416,32 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
     return rows
 
 
-def _cpu_model() -> str:
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The CPU features behind PyTorch's CPU speed (its bf16 speed differs about 10x across them)."""
+
+
+def _cpuinfo(key: str) -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _cpu_isa() -> str:
+    """The ``_ISA_FLAGS`` this CPU reports, e.g. ``avx2 avx512f avx512_bf16`` (``unknown`` off Linux)."""
+    flags = _cpuinfo("flags")
+    if flags is None:
+        return "unknown"
+    have = set(flags.split())
+    return " ".join(f for f in _ISA_FLAGS if f in have) or "none of " + ", ".join(_ISA_FLAGS)
 
 
 def _commit() -> str:
@@ -438,7 +455,7 @@ def _commit() -> str:
 
 
 def header(device="cpu") -> dict:
-    info = dict(machine=_cpu_model(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+    info = dict(machine=_cpu_model(), isa=_cpu_isa(), cores=os.cpu_count(), threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
                 commit=_commit())
     try:
