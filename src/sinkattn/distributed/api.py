@@ -51,7 +51,7 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
         left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, longest, longest)
         scale = defaults.softmax_scale(q.shape[-1], softmax_scale)
         if method == "ulysses":
-            ulysses.check_heads(q.shape[1], k.shape[1], g.size)
+            ulysses.check_heads(q.shape[-2], k.shape[-2], g.size)
         if "nccl" in str(groups.dist.get_backend(g.handle)).lower() and q.device.type != "cuda":
             raise ValueError(f"the group uses NCCL, which needs CUDA tensors; got q on {q.device}: move the "
                              f"shards to this rank's GPU or use a gloo group for CPU tensors")
