@@ -34,6 +34,7 @@ class CPCase:
     backend: str = "cpu"
     repeat: bool = False          # run twice: the repeat must be bitwise equal
     subgroups: int = 0            # >0: run in subgroups of this size (each a full CP group)
+    world_sizes: tuple[int, ...] = (2, 4)
 
     @property
     def name(self) -> str:
@@ -50,6 +51,7 @@ CASES = [CPCase(packed, causal, window, method, layout, repeat=(method, layout) 
          for packed, causal, window in _MASKS for method in ("ring", "ulysses") for layout in ("zigzag", "contiguous")]
 CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
           CPCase(True, True, (-1, -1), "ulysses", "contiguous", backend="reference"),
+          CPCase(False, True, (3, 0), "ring", "zigzag", backend="triton", world_sizes=(2,)),
           CPCase(False, True, (-1, -1), "ring", "zigzag", subgroups=2)]
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
@@ -144,7 +146,8 @@ def _worker(rank: int, P: int, folder: str, names: list[str] | None) -> None:
                 if start <= rank < start + size:
                     subgroups[size] = g
         for case in CASES:
-            if names is not None and case.name not in names or case.subgroups and case.subgroups not in subgroups:
+            if (names is not None and case.name not in names or case.subgroups and case.subgroups not in subgroups
+                    or P not in case.world_sizes):
                 continue
             group = subgroups.get(case.subgroups)
             results["cases"][case.name] = _run_case(case, group, cp)
