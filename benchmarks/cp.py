@@ -89,21 +89,25 @@ def _rank_figures(what: str, seq: int, repeats: int) -> list[dict]:
     return [r for per_rank in gathered for r in per_rank]
 
 
-def _launch(P: int, what: str, seq: int, repeats: int, same_process: bool) -> list[dict]:
-    """One torchrun of P ranks measuring ``what`` ("memory", "time" or "both"); rank 0 writes every
-    rank's rows to a temporary file."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        env = dict(os.environ)
-        if what == "memory" and not same_process:
-            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(P), "--master-port",
-                str(29500 + os.getpid() % 1000 + P), __file__, "--worker", what, str(seq), str(repeats), out]
-        run = subprocess.run(args, capture_output=True, text=True, env=env)
-        if run.returncode != 0:
-            raise RuntimeError(f"P={P} {what} failed:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
-        with open(out) as f:
-            return json.load(f)
+def _start(P: int, what: str, seq: int, repeats: int, same_process: bool, tmp: str):
+    """Start one torchrun of P ranks measuring ``what`` ("memory", "time" or "both"); rank 0 writes
+    every rank's rows to a file in ``tmp``. Returns ``(process, that file)``."""
+    out = os.path.join(tmp, f"rows-{P}-{what}.json")
+    env = dict(os.environ)
+    if what == "memory" and not same_process:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(P), "--master-port",
+            str(29500 + os.getpid() % 1000 + 7 * P), __file__, "--worker", what, str(seq), str(repeats), out]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), out
+
+
+def _finish(started, label: str) -> list[dict]:
+    process, out = started
+    stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{label} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def _summary(rows: list[dict]) -> list[dict]:
@@ -150,9 +154,15 @@ def main(argv=None) -> dict:
         return {}
     sizes, seq, repeats = ([1, 2], 256, 1) if args.quick else (args.sizes, args.seq, args.repeats)
     rows = []
-    for P in sizes:
-        for what in (("both",) if args.quick else ("memory", "time")):
-            rows += _launch(P, what, seq, repeats, same_process=args.quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:          # smoke run: every group size at once, figures not clean
+            started = [(P, _start(P, "both", seq, repeats, True, tmp)) for P in sizes]
+            for P, run in started:
+                rows += _finish(run, f"P={P}")
+        else:                   # one group size, one kind of figure at a time
+            for P in sizes:
+                for what in ("memory", "time"):
+                    rows += _finish(_start(P, what, seq, repeats, False, tmp), f"P={P} {what}")
     return _report(rows, args, seq, repeats)
 
 

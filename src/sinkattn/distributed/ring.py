@@ -25,21 +25,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import backends, masks, sink
 from .group import Exchange, Group
 from .layout import chunk_ids, chunks_per_sequence
 
-__all__ = ["Tile", "plan", "attention"]
+__all__ = ["Rows", "Tile", "plan", "attention"]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``start + i * spacing + [0, count)`` for ``i < n`` of a ``[T, ...]`` tensor: one chunk of
+    ``n`` equally spaced sequences, taken as a strided view (no copy)."""
+
+    start: int
+    spacing: int
+    n: int
+    count: int
+
+    def of(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, ...]`` (contiguous) -> view ``[n, count, ...]``."""
+        st = x.stride()
+        return x.as_strided((self.n, self.count, *x.shape[1:]), (self.spacing * st[0], *st),
+                            x.storage_offset() + self.start * st[0])
+
+    def stat(self, s: torch.Tensor) -> torch.Tensor:
+        """``s [HQ, T]`` (contiguous) -> view ``[HQ, n, count]``."""
+        st = s.stride()
+        return s.as_strided((s.shape[0], self.n, self.count), (st[0], self.spacing * st[1], st[1]),
+                            s.storage_offset() + self.start * st[1])
+
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows as a contiguous ``[n * count, ...]`` tensor (a copy only when ``n > 1``)."""
+        return self.of(x).reshape(self.n * self.count, *x.shape[1:]).contiguous()
 
 
 @dataclass(frozen=True)
 class Tile:
-    """Local rows ``q_index`` against rows ``k_index`` of a K/V shard: ``n`` sequences of one geometry,
-    ``rows`` queries and ``keys`` keys each, under the local window ``(left, right)``."""
+    """Rows ``q`` of the local queries against rows ``k`` of a K/V shard (``n`` sequences of one
+    geometry, one packed call) under the local window ``(left, right)``."""
 
-    q_index: torch.Tensor
-    k_index: torch.Tensor
+    q: Rows
+    k: Rows
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     left: int
@@ -51,48 +79,56 @@ def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, left: 
     """The tiles of rank ``rank``'s queries against rank ``source``'s keys, in a fixed order.
 
     ``lengths``: the global sequence lengths; ``(left, right)`` the normalized global window.
-    Sequences of one length share their geometry, so they run as one packed call.
+    A run of consecutive sequences of one length (a dense batch is one run) shares its geometry
+    and spacing, so each of its tiles is one packed call on strided views.
     """
     parts = chunks_per_sequence(P, layout)
-    starts, at = {}, 0
+    runs, at = [], 0                       # (local start, length, count) of each run
     for length in lengths:
-        starts.setdefault(length, []).append(at)
+        if runs and runs[-1][1] == length:
+            runs[-1][2] += 1
+        else:
+            runs.append([at, length, 1])
         at += length // P
     tiles = []
-    for length in sorted(starts):
+    for first, length, n in runs:
         c = length // parts
-        first = torch.tensor(starts[length], dtype=torch.int64)
-        steps = torch.arange(len(first) + 1, dtype=torch.int32)
+        steps = torch.arange(n + 1, dtype=torch.int32)
         for x, a in enumerate(chunk_ids(rank, P, layout)):
             for y, b in enumerate(chunk_ids(source, P, layout)):
                 cut = masks.sub_block(a * c, c, b * c, c, left, right)
                 if cut is None:
                     continue
                 rows, keys, l2, r2 = cut
-                q_index = (first[:, None] + x * c + torch.arange(rows)).reshape(-1)
-                k_index = (first[:, None] + y * c + torch.arange(keys)).reshape(-1)
-                tiles.append(Tile(q_index.to(device), k_index.to(device), (steps * rows).to(device),
-                                  (steps * keys).to(device), l2, r2))
+                tiles.append(Tile(Rows(first + x * c, length // P, n, rows), Rows(first + y * c, length // P, n, keys),
+                                  (steps * rows).to(device), (steps * keys).to(device), l2, r2))
     return tiles
 
 
-def _merge(o, lse, rows, o_b, lse_b) -> None:
-    """Fold one tile's ``(o_b [R, HQ, D], lse_b [HQ, R])`` into rows ``rows`` of ``(o, lse)``."""
-    old = lse[:, rows]
-    new = torch.logaddexp(old, lse_b)
-    kept, added = sink.key_mass(old, new), sink.key_mass(lse_b, new)
-    o[rows] = o[rows] * kept.t()[..., None] + o_b.to(o.dtype) * added.t()[..., None]
-    lse[:, rows] = new
+def _heads_last(w: torch.Tensor) -> torch.Tensor:
+    """``[HQ, n, R]`` -> ``[n, R, HQ, 1]``, to scale ``[n, R, HQ, D]`` rows."""
+    return w.permute(1, 2, 0)[..., None]
+
+
+def _merge(o, lse, rows: Rows, o_b, lse_b) -> None:
+    """Fold one tile's ``(o_b [n R, HQ, D], lse_b [HQ, n R])`` into its rows of ``(o, lse)``, in place."""
+    o_v, lse_v = rows.of(o), rows.stat(lse)
+    lse_b = lse_b.view(lse_b.shape[0], rows.n, rows.count)
+    new = torch.logaddexp(lse_v, lse_b)
+    o_v.mul_(_heads_last(sink.key_mass(lse_v, new)))
+    o_v.add_(o_b.view(o_v.shape).to(o.dtype) * _heads_last(sink.key_mass(lse_b, new)))
+    lse_v.copy_(new)
 
 
 def _tile_inputs(tile: Tile, q, k, v):
-    return q.index_select(0, tile.q_index), k.index_select(0, tile.k_index), v.index_select(0, tile.k_index)
+    return tile.q.packed(q), tile.k.packed(k), tile.k.packed(v)
 
 
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, group: Group, plans, scale: float, backend: str):
         impl, out_dtype = backends.load(backend), backends.describe(backend).out_dtype
+        q = q.contiguous()
         T, HQ, D = q.shape
         o = torch.zeros((T, HQ, D), dtype=out_dtype, device=q.device)
         lse = torch.full((HQ, T), float("-inf"), dtype=torch.float32, device=q.device)
@@ -102,7 +138,7 @@ class _Ring(torch.autograd.Function):
             for tile in plans[step]:
                 o_b, lse_b, _ = impl.forward(*_tile_inputs(tile, q, *kv), None, tile.cu_q, tile.cu_k, scale,
                                              tile.left, tile.right)
-                _merge(o, lse, tile.q_index, o_b, lse_b)
+                _merge(o, lse, tile.q, o_b, lse_b)
             if flight is not None:
                 kv = flight.wait()
         lse_f = sink.lse_with_sink(lse, sinks)
@@ -112,12 +148,13 @@ class _Ring(torch.autograd.Function):
         return o.to(q.dtype), lse_f
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, sinks, o, lse = ctx.saved_tensors
         group, plans, scale, backend = ctx.setup
         impl = backends.load(backend)
-        dout = dout if dout is not None else torch.zeros_like(q)
-        delta = sink.row_delta(dout, o, dlse)
+        dout = dout.contiguous() if dout is not None else torch.zeros_like(q)
+        delta = sink.row_delta(dout, o, dlse).contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv, dkv, dkv_flight = [k.contiguous(), v.contiguous()], None, None
         for step in range(group.size):
@@ -126,17 +163,20 @@ class _Ring(torch.autograd.Function):
             for tile in plans[step]:
                 qb, kb, vb = _tile_inputs(tile, q, *kv)
                 o_b, lse_b, extra = impl.forward(qb, kb, vb, None, tile.cu_q, tile.cu_k, scale, tile.left, tile.right)
-                do_full = dout.index_select(0, tile.q_index).float()
-                w = sink.key_mass(lse_b, lse[:, tile.q_index])
-                do_b = (do_full * w.t()[..., None]).to(q.dtype)
-                dlse_b = w * (sink.row_delta(do_full, o_b, None) - delta[:, tile.q_index])
-                dq_b, dk_b, dv_b, _ = impl.backward(do_b, dlse_b, qb, kb, vb, None, o_b, lse_b, tile.cu_q,
-                                                    tile.cu_k, scale, tile.left, tile.right, extra)
-                dq[tile.q_index] += dq_b.float()
-                mine[0][tile.k_index] += dk_b.float()
-                mine[1][tile.k_index] += dv_b.float()
+                do_full = tile.q.packed(dout)
+                w = sink.key_mass(lse_b.view(-1, tile.q.n, tile.q.count), tile.q.stat(lse))   # [HQ, n, R]
+                do_b = do_full.view(tile.q.n, tile.q.count, *do_full.shape[1:]).float() * _heads_last(w)
+                dlse_b = w * (sink.row_delta(do_full, o_b, None).view(w.shape) - tile.q.stat(delta))
+                dq_b, dk_b, dv_b, _ = impl.backward(do_b.view(do_full.shape).to(q.dtype), dlse_b.reshape(lse_b.shape),
+                                                    qb, kb, vb, None, o_b, lse_b, tile.cu_q, tile.cu_k, scale,
+                                                    tile.left, tile.right, extra)
+                rows_q = tile.q.of(dq)
+                rows_q += dq_b.view(rows_q.shape)
+                for acc, grad in zip(mine, (dk_b, dv_b)):
+                    rows_k = tile.k.of(acc)
+                    rows_k += grad.view(rows_k.shape)
             if dkv_flight is not None:
-                dkv = [a + b for a, b in zip(dkv_flight.wait(), mine)]
+                dkv = [a.add_(b) for a, b in zip(dkv_flight.wait(), mine)]
             else:
                 dkv = mine
             dkv_flight = Exchange(dkv, group) if group.size > 1 else None

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 __all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS"]
 
 SHAPE = dict(B=2, S=32, HQ=4, HKV=2, D=8)
-LENGTHS = (16, 0, 8, 40)          # a packed batch: every length divisible by 2P for P = 2, 4
+LENGTHS = (16, 0, 8, 8, 40)       # a packed batch (8, 8: one run of two); every length divisible by 8
 
 
 @dataclass(frozen=True)
