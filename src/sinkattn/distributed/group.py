@@ -15,6 +15,7 @@ import torch.distributed as dist
 __all__ = ["Group", "resolve", "agree", "Exchange"]
 
 _ERROR_TYPES = (TypeError, ValueError, NotImplementedError)
+_WIDTH = 64           # descriptor entries: an error code, the number of facts, the facts, zero padding
 
 
 @dataclass(frozen=True)
@@ -54,21 +55,17 @@ def resolve(group=None) -> Group:
 def agree(group: Group, facts: dict[str, float] | None, error: Exception | None) -> None:
     """Raise the same error on every rank unless every rank passed ``error=None`` and equal ``facts``.
 
-    One ``all_gather`` of a small float64 descriptor (``facts`` in a fixed order; ints are exact
-    up to 2**53); only on failure a second exchange carries the failing rank's message.
+    One ``all_gather`` of a small float64 descriptor (``facts`` in a fixed order, at most 62;
+    ints are exact up to 2**53); only on failure a second exchange carries the failing rank's message.
     """
     names = list(facts) if facts is not None else []
     code = 0 if error is None else 1 + next(i for i, t in enumerate(_ERROR_TYPES) if isinstance(error, t))
-    local = torch.tensor([float(code), float(len(names)), *(float(facts[n]) for n in names)], dtype=torch.float64)
-    width = torch.tensor([local.numel()], dtype=torch.int64, device=group.comm_device)
-    widths = [torch.empty_like(width) for _ in range(group.size)]
-    dist.all_gather(widths, width, group=group.handle)
-    longest = int(max(w.item() for w in widths))
-    padded = torch.full((longest,), float("nan"), dtype=torch.float64)
-    padded[:local.numel()] = local
-    padded = padded.to(group.comm_device)
-    rows = [torch.empty_like(padded) for _ in range(group.size)]
-    dist.all_gather(rows, padded, group=group.handle)
+    local = torch.zeros(_WIDTH, dtype=torch.float64)
+    local[:2 + len(names)] = torch.tensor([float(code), float(len(names)), *(float(facts[n]) for n in names)],
+                                          dtype=torch.float64)
+    local = local.to(group.comm_device)
+    rows = [torch.empty_like(local) for _ in range(group.size)]
+    dist.all_gather(rows, local, group=group.handle)
     rows = [r.cpu() for r in rows]
     failed = [r for r in range(group.size) if rows[r][0] != 0]
     if failed:
@@ -79,7 +76,7 @@ def agree(group: Group, facts: dict[str, float] | None, error: Exception | None)
         raise kind(f"sinkattn.distributed: rank {first} of {group.size} rejected its inputs: {messages[first]}")
     for r in range(1, group.size):
         if not torch.equal(rows[r], rows[0]):
-            i = next(i for i in range(2, longest) if not torch.equal(rows[r][i], rows[0][i]))
+            i = next(i for i in range(2, 2 + len(names)) if not torch.equal(rows[r][i], rows[0][i]))
             raise ValueError(f"sinkattn.distributed: ranks disagree on {names[i - 2]}: rank 0 has "
                              f"{rows[0][i].item():g}, rank {r} has {rows[r][i].item():g}; every rank of the group "
                              f"must pass its shard of one call (same shapes, dtype, options and packing)")

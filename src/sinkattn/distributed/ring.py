@@ -31,7 +31,11 @@ from .. import backends, masks, sink
 from .group import Exchange, Group
 from .layout import chunk_ids, chunks_per_sequence
 
-__all__ = ["Rows", "Tile", "plan", "attention"]
+__all__ = ["Rows", "Tile", "plan", "attention", "TILE_ROWS"]
+
+TILE_ROWS = 1024
+"""Query rows per tile (over all sequences of a run): bounds the backend's workspace per call,
+which would otherwise grow with the chunk (S / 2P rows)."""
 
 
 @dataclass(frozen=True)
@@ -95,13 +99,16 @@ def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, left: 
         c = length // parts
         steps = torch.arange(n + 1, dtype=torch.int32)
         for x, a in enumerate(chunk_ids(rank, P, layout)):
-            for y, b in enumerate(chunk_ids(source, P, layout)):
-                cut = masks.sub_block(a * c, c, b * c, c, left, right)
-                if cut is None:
-                    continue
-                rows, keys, l2, r2 = cut
-                tiles.append(Tile(Rows(first + x * c, length // P, n, rows), Rows(first + y * c, length // P, n, keys),
-                                  (steps * rows).to(device), (steps * keys).to(device), l2, r2))
+            for r0 in range(0, c, max(1, TILE_ROWS // n)):
+                m = min(max(1, TILE_ROWS // n), c - r0)
+                for y, b in enumerate(chunk_ids(source, P, layout)):
+                    cut = masks.sub_block(a * c + r0, m, b * c, c, left, right)
+                    if cut is None:
+                        continue
+                    rows, keys, l2, r2 = cut
+                    tiles.append(Tile(Rows(first + x * c + r0, length // P, n, rows),
+                                      Rows(first + y * c, length // P, n, keys),
+                                      (steps * rows).to(device), (steps * keys).to(device), l2, r2))
     return tiles
 
 
@@ -116,7 +123,7 @@ def _merge(o, lse, rows: Rows, o_b, lse_b) -> None:
     lse_b = lse_b.view(lse_b.shape[0], rows.n, rows.count)
     new = torch.logaddexp(lse_v, lse_b)
     o_v.mul_(_heads_last(sink.key_mass(lse_v, new)))
-    o_v.add_(o_b.view(o_v.shape).to(o.dtype) * _heads_last(sink.key_mass(lse_b, new)))
+    o_v.add_(o_b.view(o_v.shape).to(o.dtype).mul_(_heads_last(sink.key_mass(lse_b, new))))
     lse_v.copy_(new)
 
 

@@ -35,6 +35,7 @@ class CPCase:
     repeat: bool = False          # run twice: the repeat must be bitwise equal
     subgroups: int = 0            # >0: run in subgroups of this size (each a full CP group)
     world_sizes: tuple[int, ...] = (2, 4)
+    tile_rows: int = 0            # >0: the ring's query rows per tile (ring.TILE_ROWS) for this case
 
     @property
     def name(self) -> str:
@@ -42,6 +43,7 @@ class CPCase:
         mask += "" if self.window == (-1, -1) else f"-w{self.window[0]}.{self.window[1]}"
         extra = "" if self.backend == "cpu" else "-" + self.backend
         extra += f"-sub{self.subgroups}" if self.subgroups else ""
+        extra += f"-tile{self.tile_rows}" if self.tile_rows else ""
         return f"{'packed' if self.packed else 'dense'}-{mask}-{self.method}-{self.layout}{extra}"
 
 
@@ -52,7 +54,9 @@ CASES = [CPCase(packed, causal, window, method, layout, repeat=(method, layout) 
 CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
           CPCase(True, True, (-1, -1), "ulysses", "contiguous", backend="reference"),
           CPCase(False, True, (3, 0), "ring", "zigzag", backend="triton", world_sizes=(2,)),
-          CPCase(False, True, (-1, -1), "ring", "zigzag", subgroups=2)]
+          CPCase(False, True, (-1, -1), "ring", "zigzag", subgroups=2),
+          CPCase(False, True, (5, 0), "ring", "zigzag", tile_rows=3, repeat=True),
+          CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5)]
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
           "options differ", "packing differs", "device on the last rank", "shard not divisible")
@@ -74,6 +78,15 @@ def cu_seqlens() -> torch.Tensor:
 
 
 def _run_case(case: CPCase, group, cp):
+    from ..distributed import ring
+    default, ring.TILE_ROWS = ring.TILE_ROWS, case.tile_rows or ring.TILE_ROWS
+    try:
+        return _run_case_now(case, group, cp)
+    finally:
+        ring.TILE_ROWS = default
+
+
+def _run_case_now(case: CPCase, group, cp):
     x = inputs(case)
     if case.packed:
         cu = cu_seqlens()
