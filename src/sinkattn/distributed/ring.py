@@ -33,7 +33,7 @@ from .layout import chunk_ids, chunks_per_sequence
 
 __all__ = ["Rows", "Tile", "plan", "attention", "TILE_ROWS"]
 
-TILE_ROWS = 1024
+TILE_ROWS = 512
 """Query rows per tile (over all sequences of a run): bounds the backend's workspace per call,
 which would otherwise grow with the chunk (S / 2P rows)."""
 
