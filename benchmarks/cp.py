@@ -2,7 +2,7 @@
 with ``sinkattn.distributed`` over P ranks, against single-process ``sinkattn`` on the full tensors.
 
     torchrun --nproc-per-node P benchmarks/cp.py --json FILE   # one group size (gloo on CPU, NCCL on GPUs)
-    python benchmarks/cp.py [--sizes 1 2 4] [--seq S] [--json FILE] [--quick]   # launches torchrun per P
+    python benchmarks/cp.py [--sizes 1 2 4] [--seq S] [--memory-only] [--json FILE] [--quick]   # torchrun per P
 
 Problem: B=1, S tokens (default 8192), HQ=8, HKV=2, D=64, fp32, causal, learnable sinks, zigzag
 layout; a step is ``out, lse = sink_attn_func(...)`` on this rank's shards and
@@ -135,6 +135,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--memory-only", action="store_true", help="peak memory only (no timing runs)")
     ap.add_argument("--quick", action="store_true", help="smoke run: S=256, P = 1 and 2, one repeat, "
                     "memory and time in one process per P")
     ap.add_argument("--json", help="write every figure to this file")
@@ -161,7 +162,7 @@ def main(argv=None) -> dict:
                 rows += _finish(run, f"P={P}")
         else:                   # one group size, one kind of figure at a time
             for P in sizes:
-                for what in ("memory", "time"):
+                for what in ("memory",) if args.memory_only else ("memory", "time"):
                     rows += _finish(_start(P, what, seq, repeats, False, tmp), f"P={P} {what}")
     return _report(rows, args, seq, repeats)
 

@@ -1,9 +1,10 @@
 """``method="ring"``: K/V shards travel around the group; each rank attends its queries to the
 shard in hand while the next one is in flight.
 
-Step ``t`` on rank ``r`` holds the K/V shard of rank ``s = (r - t) mod P``. Its tiles (one per
-pair of a local query chunk and a chunk of that shard, per sequence length; see ``plan``) run
-without sinks, each giving ``(o_b, lse_b)`` over its keys only, merged in step order:
+Step ``t`` on rank ``r`` holds the K/V shard of rank ``s = (r - t) mod P``. Its tiles (at most
+``TILE_ROWS`` rows of a local query chunk against one chunk of that shard, for a run of sequences
+of one length; see ``plan``) run without sinks, each giving ``(o_b, lse_b)`` over its keys only,
+merged in step order:
 
     lse = logaddexp(lse, lse_b),   o = exp(lse_old - lse) o + exp(lse_b - lse) o_b
 
@@ -33,7 +34,7 @@ from .layout import chunk_ids, chunks_per_sequence
 
 __all__ = ["Rows", "Tile", "plan", "attention", "TILE_ROWS"]
 
-TILE_ROWS = 512
+TILE_ROWS = 1024
 """Query rows per tile (over all sequences of a run): bounds the backend's workspace per call,
 which would otherwise grow with the chunk (S / 2P rows)."""
 
