@@ -12,7 +12,7 @@ of its memory over one step after a warm-up (CUDA allocator peak, or on CPU the 
 measured in processes where glibc returns every block >= 64 KiB to the OS on free,
 MALLOC_MMAP_THRESHOLD_=65536, so heap reuse cannot hide a peak; that setting slows allocation, so
 time comes from separate processes) and the median time of ``--repeats`` steps. On CPU every rank
-runs one thread (torchrun's default), so P = 4 on a 2-core machine shares cores: its times say
+runs one thread (set here: torchrun sets it for P > 1 only), so P = 4 on a 2-core machine shares cores: its times say
 how the work splits, not what 4 cores would do. Prints figures and ratios to P = 1; asserts nothing.
 """
 
@@ -46,6 +46,8 @@ def _rank_figures(what: str, seq: int, repeats: int) -> list[dict]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)      # torchrun sets 1 only for nproc > 1: every P alike
     p = PROBLEM
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(p["B"], seq, h, p["D"], generator=g) for h in (p["HQ"], p["HKV"], p["HKV"], p["HQ"])]
