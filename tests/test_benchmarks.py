@@ -60,3 +60,16 @@ def test_compensated_benchmark_smoke(tmp_path):
         ("float16", False), ("float16", True), ("bfloat16", False), ("bfloat16", True)]
     assert all({"o", "lse", "dq", "dk", "dv"} <= set(r["worst"]) for r in rows)
     assert "fail Gate A" in run.stdout
+
+
+def test_cp_benchmark_quick(tmp_path):
+    out = tmp_path / "cp.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cp.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert {(e["provider"], e["P"]) for e in report["summary"]} == {
+        ("single-process", 1), ("ring", 1), ("ring", 2), ("ulysses", 1), ("ulysses", 2)}
+    assert sorted({(r["P"], r["rank"]) for r in report["rows"]}) == [(1, 0), (2, 0), (2, 1)]
+    assert all(r["seconds"] > 0 and r["peak_growth_mib"] >= 0 for r in report["rows"])
+    assert "x single" in run.stdout

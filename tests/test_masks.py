@@ -46,3 +46,22 @@ def test_block_ranges_cover_exactly_the_visible_keys(Lq, Lk, window):
         assert (k0, k1) == (int(cols.min()), int(cols.max()) + 1)
         full = masks.block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right)
         assert full == bool(vis[r0:r1, k0:k1].all())
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (3, 0), (5, -1), (-1, 4), (2, 3), (9, 1), (0, 6)])
+def test_sub_block_reproduces_the_tile_of_the_full_mask(window):
+    S = 24
+    left, right = masks.normalize_window(False, window, S, S)
+    full = masks.visible(torch.arange(S), torch.arange(S), S, S, left, right)
+    tiles = [(0, 4), (4, 4), (8, 8), (16, 8), (3, 5), (0, 24), (20, 4), (5, 1)]
+    for (a, m), (b, n) in itertools.product(tiles, tiles):
+        want = full[a:a + m, b:b + n]
+        got = masks.sub_block(a, m, b, n, left, right)
+        if got is None:
+            assert not want.any(), (a, m, b, n)
+            continue
+        rows, keys, l2, r2 = got
+        assert l2 >= -1 and r2 >= -1
+        tile = torch.zeros(m, n, dtype=torch.bool)
+        tile[:rows, :keys] = masks.visible(torch.arange(rows), torch.arange(keys), rows, keys, l2, r2)
+        assert torch.equal(tile, want), (a, m, b, n, got)

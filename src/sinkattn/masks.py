@@ -22,6 +22,7 @@ __all__ = [
     "block_key_range",
     "block_fully_visible",
     "row_blocks",
+    "sub_block",
 ]
 
 
@@ -87,3 +88,31 @@ def row_blocks(Lq: int, Lk: int, left: int, right: int, block_rows: int):
         k0, k1 = block_key_range(r0, r1, Lq, Lk, left, right)
         if k1 > k0:
             yield r0, r1, k0, k1, block_fully_visible(r0, r1, k0, k1, Lq, Lk, left, right)
+
+
+def sub_block(a: int, m: int, b: int, n: int, left: int, right: int) -> tuple[int, int, int, int] | None:
+    """One tile of self-attention (``Lq = Lk``, offset 0) as a call under this same rule.
+
+    Rows ``[a, a+m)`` against keys ``[b, b+n)`` of one sequence see the pairs with
+    ``j - i`` in ``[a-b-left, a-b+right]`` (a side of ``-1`` unbounded), in tile coordinates.
+    Returns ``(rows, keys, left', right')``: rows ``[0, rows)`` of the tile against keys
+    ``[0, keys)`` under ``visible(.., rows, keys, left', right')`` see exactly the tile's pairs,
+    and rows ``>= rows`` see none; ``None`` when the tile sees nothing. The rule needs the band
+    to hold the call's bottom-right diagonal ``j - i = keys - rows``; a band wholly above it
+    is met by dropping the rows that see nothing, one wholly below it by dropping the keys
+    no row sees. The window comes back folded by ``normalize_window``.
+    """
+    if m <= 0 or n <= 0:
+        return None
+    low = a - b - left if left >= 0 else None
+    high = a - b + right if right >= 0 else None
+    if (high is not None and high < 1 - m) or (low is not None and low > n - 1):
+        return None
+    rows, keys = m, n
+    if low is not None and n - m < low:
+        rows = n - low
+    elif high is not None and n - m > high:
+        keys = m + high
+    diagonal = keys - rows
+    window = (diagonal - low if low is not None else -1, high - diagonal if high is not None else -1)
+    return (rows, keys, *normalize_window(False, window, rows, keys))

@@ -1,0 +1,126 @@
+"""The context-parallel entry points: checks (agreed by every rank), then ring or Ulysses."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import backends, defaults, masks, validation
+from . import group as groups
+from . import ring, ulysses
+from .layout import LAYOUTS, check_layout, check_lengths, lengths_of
+
+__all__ = ["sink_attn_func", "sink_attn_varlen_func", "METHODS"]
+
+METHODS = ("ring", "ulysses")
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+def _check_method(method) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return method
+
+
+def _facts(q, k, sinks, lengths, scale, left, right, return_lse, method, layout, backend, needs_grad, P):
+    """What every rank must agree on, as numbers: shapes, dtype, device kind, options, packing."""
+    checksum = sum((n + 1) * length for n, length in enumerate(lengths)) % (1 << 52)
+    return {
+        "the group size": P, **{f"q.shape[{i}]": n for i, n in enumerate(q.shape)},
+        **{f"k.shape[{i}]": n for i, n in enumerate(k.shape)}, "the dtype": _DTYPES[q.dtype],
+        "the device type": 1.0 if q.device.type == "cuda" else 0.0 if q.device.type == "cpu" else 2.0,
+        "whether sinks are given": sinks is not None, "softmax_scale": scale, "the left window": left,
+        "the right window": right, "return_lse": bool(return_lse), "method": METHODS.index(method),
+        "layout": LAYOUTS.index(layout), "backend": backends.NAMES.index(backend),
+        "whether gradients are needed": needs_grad, "the number of sequences": len(lengths),
+        "the packing (cu_seqlens)": checksum, "the token count": sum(lengths),
+    }
+
+
+def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method, layout,
+             backend):
+    """Checks on this rank, then the agreement of all ranks; returns what the methods need."""
+    g = groups.resolve(group)
+    facts, error, ready = None, None, None
+    try:
+        _check_method(method)
+        check_layout(layout)
+        validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
+        lengths, longest = lengths_fn(g.size)
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+        name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
+        left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, longest, longest)
+        scale = defaults.softmax_scale(q.shape[-1], softmax_scale)
+        if method == "ulysses":
+            ulysses.check_heads(q.shape[-2], k.shape[-2], g.size)
+        if "nccl" in str(groups.dist.get_backend(g.handle)).lower() and q.device.type != "cuda":
+            raise ValueError(f"the group uses NCCL, which needs CUDA tensors; got q on {q.device}: move the "
+                             f"shards to this rank's GPU or use a gloo group for CPU tensors")
+        facts = _facts(q, k, sinks, lengths, scale, left, right, return_lse, method, layout, name, needs_grad, g.size)
+        ready = (lengths, scale, left, right, name)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        error = exc
+    groups.agree(g, facts, error)
+    return g, ready
+
+
+def _attention(method, q, k, v, sinks, g, layout, ready):
+    lengths, scale, left, right, name = ready
+    run = ring.attention if method == "ring" else ulysses.attention
+    return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
+
+
+def sink_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, *, sinks=None, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), return_lse=False, group=None, method="ring", layout="zigzag",
+                          backend="auto"):
+    """Context-parallel ``sinkattn.sink_attn_varlen_func`` for self-attention on a packed batch.
+
+    ``cu_seqlens`` (int32 ``[N+1]``) and ``max_seqlen`` describe the GLOBAL packing, the same on
+    every rank; ``q [T/P, HQ, D]``, ``k``/``v [T/P, HKV, D]`` are this rank's
+    ``shard_varlen(x, cu_seqlens, group, layout)`` (every sequence's length divisible by P, or 2P
+    for ``zigzag``). Returns this rank's shard of the single-process result: ``out [T/P, HQ, D]``,
+    and ``lse [HQ, T/P]`` with ``return_lse``. Gradients of q/k/v are this rank's shards of the
+    full ones; the gradient of ``sinks`` is this rank's contribution (sum it over the group).
+    ``method``: ``"ring"`` or ``"ulysses"``; see ``sinkattn.distributed``.
+    """
+    def lengths_fn(P):
+        validation.check_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"context parallelism is self-attention: k must have the token count of q, got "
+                             f"q {q.shape[0]}, k {k.shape[0]}")
+        validation.check_cu_seqlens_contents(cu_seqlens, cu_seqlens, q.shape[0] * P, q.shape[0] * P, max_seqlen,
+                                             max_seqlen)
+        lengths = lengths_of(cu_seqlens)
+        check_lengths(lengths, P, layout, "cu_seqlens")
+        return lengths, max_seqlen
+
+    g, ready = _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method,
+                        layout, backend)
+    out, lse = _attention(method, q, k, v, sinks, g, layout, ready)
+    return (out, lse) if return_lse else out
+
+
+def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                   return_lse=False, group=None, method="ring", layout="zigzag", backend="auto"):
+    """Context-parallel ``sinkattn.sink_attn_func``: ``q [B, S/P, HQ, D]``, ``k``/``v [B, S/P, HKV, D]``
+    are this rank's ``shard(x, dim=1, group, layout)`` of self-attention over ``S`` tokens.
+
+    Returns this rank's shard of ``out [B, S/P, HQ, D]`` (and ``lse [B, HQ, S/P]``); options and
+    gradients as in ``sink_attn_varlen_func``.
+    """
+    def lengths_fn(P):
+        validation.check_dense(q, k, v)
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(f"context parallelism is self-attention: k must have the sequence length of q, got "
+                             f"q {q.shape[1]}, k {k.shape[1]}")
+        S = q.shape[1] * P
+        check_lengths([S], P, layout, f"the sequence (P x q.shape[1] = {P} x {q.shape[1]})")
+        return [S] * q.shape[0], S
+
+    g, ready = _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method,
+                        layout, backend)
+    B, S_local, HQ, D = q.shape
+    HKV = k.shape[2]
+    out, lse = _attention(method, q.reshape(B * S_local, HQ, D), k.reshape(B * S_local, HKV, D),
+                          v.reshape(B * S_local, HKV, D), sinks, g, layout, ready)
+    out = out.view(B, S_local, HQ, D)
+    return (out, lse.reshape(HQ, B, S_local).transpose(0, 1)) if return_lse else out

@@ -1,0 +1,100 @@
+"""The process group of a context-parallel call, and the check that every rank agrees on it.
+
+Every collective here is entered by every rank of the group, in the same order: a rank that
+finds its own inputs wrong still joins the descriptor exchange, so all ranks raise the same
+error together instead of leaving the others waiting in a send that never comes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Group", "resolve", "agree", "Exchange"]
+
+_ERROR_TYPES = (TypeError, ValueError, NotImplementedError)
+_WIDTH = 64           # descriptor entries: an error code, the number of facts, the facts, zero padding
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group with this process's rank in it and its ring neighbours (global ranks)."""
+
+    handle: object
+    rank: int
+    size: int
+    next: int
+    prev: int
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where small host-side descriptors travel: the current GPU for NCCL, else the CPU."""
+        if "nccl" in str(dist.get_backend(self.handle)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def resolve(group=None) -> Group:
+    """``group`` (None: the default group) with this process's place in it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sinkattn.distributed needs an initialised process group: call "
+                           "torch.distributed.init_process_group(...) first (e.g. under torchrun), or use "
+                           "sinkattn.sink_attn_func / sink_attn_varlen_func on the full tensors")
+    handle = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(handle)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the process group it passed; pass a group "
+                         "that contains every rank holding a shard of the sequence")
+    size = dist.get_world_size(handle)
+    return Group(handle, rank, size, dist.get_global_rank(handle, (rank + 1) % size),
+                 dist.get_global_rank(handle, (rank - 1) % size))
+
+
+def agree(group: Group, facts: dict[str, float] | None, error: Exception | None) -> None:
+    """Raise the same error on every rank unless every rank passed ``error=None`` and equal ``facts``.
+
+    One ``all_gather`` of a small float64 descriptor (``facts`` in a fixed order, at most 62;
+    ints are exact up to 2**53); only on failure a second exchange carries the failing rank's message.
+    """
+    names = list(facts) if facts is not None else []
+    code = 0 if error is None else 1 + next(i for i, t in enumerate(_ERROR_TYPES) if isinstance(error, t))
+    local = torch.zeros(_WIDTH, dtype=torch.float64)
+    local[:2 + len(names)] = torch.tensor([float(code), float(len(names)), *(float(facts[n]) for n in names)],
+                                          dtype=torch.float64)
+    local = local.to(group.comm_device)
+    rows = [torch.empty_like(local) for _ in range(group.size)]
+    dist.all_gather(rows, local, group=group.handle)
+    rows = [r.cpu() for r in rows]
+    failed = [r for r in range(group.size) if rows[r][0] != 0]
+    if failed:
+        messages: list = [None] * group.size
+        dist.all_gather_object(messages, None if error is None else str(error), group=group.handle)
+        first = failed[0]
+        kind = _ERROR_TYPES[int(rows[first][0]) - 1]
+        raise kind(f"sinkattn.distributed: rank {first} of {group.size} rejected its inputs: {messages[first]}")
+    for r in range(1, group.size):
+        if not torch.equal(rows[r], rows[0]):
+            i = next(i for i in range(2, 2 + len(names)) if not torch.equal(rows[r][i], rows[0][i]))
+            raise ValueError(f"sinkattn.distributed: ranks disagree on {names[i - 2]}: rank 0 has "
+                             f"{rows[0][i].item():g}, rank {r} has {rows[r][i].item():g}; every rank of the group "
+                             f"must pass its shard of one call (same shapes, dtype, options and packing)")
+
+
+class Exchange:
+    """One ring step in flight: ``tensors`` sent to the next rank, as many received from the previous."""
+
+    def __init__(self, tensors, group: Group):
+        tensors = [t.contiguous() for t in tensors]
+        self.received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, group.next, group.handle) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, group.prev, group.handle) for b in self.received]
+        self._keep = tensors                  # what is being sent must outlive the sends
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._keep = None
+        return self.received

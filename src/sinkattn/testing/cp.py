@@ -1,0 +1,190 @@
+"""Context-parallel test cases run inside one spawned gloo group, and their seeded inputs.
+
+``spawn(P, folder)`` starts P CPU processes that join one gloo group and each run every case
+of ``CASES`` (plus the error cases) through ``sinkattn.distributed``, saving this rank's results
+to ``folder/rank{r}.pt``; the test process compares them with single-process ``sinkattn`` on
+the full tensors, which it computes itself. One group per world size keeps the spawn cost
+(seconds) out of every case.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS"]
+
+SHAPE = dict(B=2, S=32, HQ=4, HKV=2, D=8)
+LENGTHS = (16, 0, 8, 8, 40)       # a packed batch (8, 8: one run of two); every length divisible by 8
+
+
+@dataclass(frozen=True)
+class CPCase:
+    packed: bool
+    causal: bool
+    window: tuple[int, int]
+    method: str
+    layout: str
+    backend: str = "cpu"
+    repeat: bool = False          # run twice: the repeat must be bitwise equal
+    subgroups: int = 0            # >0: run in subgroups of this size (each a full CP group)
+    world_sizes: tuple[int, ...] = (2, 4)
+    tile_rows: int = 0            # >0: the ring's query rows per tile (ring.TILE_ROWS) for this case
+
+    @property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        mask += "" if self.window == (-1, -1) else f"-w{self.window[0]}.{self.window[1]}"
+        extra = "" if self.backend == "cpu" else "-" + self.backend
+        extra += f"-sub{self.subgroups}" if self.subgroups else ""
+        extra += f"-tile{self.tile_rows}" if self.tile_rows else ""
+        return f"{'packed' if self.packed else 'dense'}-{mask}-{self.method}-{self.layout}{extra}"
+
+
+_MASKS = [(False, True, (-1, -1)), (False, True, (5, 0)), (False, False, (-1, -1)), (False, False, (3, 6)),
+          (True, True, (-1, -1)), (True, True, (6, 0)), (True, False, (2, 9))]
+CASES = [CPCase(packed, causal, window, method, layout, repeat=(method, layout) == ("ring", "zigzag") or not causal)
+         for packed, causal, window in _MASKS for method in ("ring", "ulysses") for layout in ("zigzag", "contiguous")]
+CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
+          CPCase(True, True, (-1, -1), "ulysses", "contiguous", backend="reference"),
+          CPCase(False, True, (3, 0), "ring", "zigzag", backend="triton", world_sizes=(2,)),
+          CPCase(False, True, (-1, -1), "ring", "zigzag", subgroups=2),
+          CPCase(False, True, (5, 0), "ring", "zigzag", tile_rows=3, repeat=True),
+          CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5)]
+
+ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
+          "options differ", "packing differs", "device on the last rank", "shard not divisible")
+
+
+def inputs(case: CPCase, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors of one case: q/k/v, sinks, and the upstream gradients of out and lse."""
+    g = torch.Generator().manual_seed(seed)
+    s = SHAPE
+    lead = (sum(LENGTHS),) if case.packed else (s["B"], s["S"])
+    lse_shape = (s["HQ"], sum(LENGTHS)) if case.packed else (s["B"], s["HQ"], s["S"])
+    return dict(q=torch.randn(*lead, s["HQ"], s["D"], generator=g), k=torch.randn(*lead, s["HKV"], s["D"], generator=g),
+                v=torch.randn(*lead, s["HKV"], s["D"], generator=g), sinks=torch.randn(s["HQ"], generator=g),
+                dout=torch.randn(*lead, s["HQ"], s["D"], generator=g), dlse=torch.randn(*lse_shape, generator=g))
+
+
+def cu_seqlens() -> torch.Tensor:
+    return torch.tensor([0, *LENGTHS], dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def _run_case(case: CPCase, group, cp):
+    from ..distributed import ring
+    default, ring.TILE_ROWS = ring.TILE_ROWS, case.tile_rows or ring.TILE_ROWS
+    try:
+        return _run_case_now(case, group, cp)
+    finally:
+        ring.TILE_ROWS = default
+
+
+def _run_case_now(case: CPCase, group, cp):
+    x = inputs(case)
+    if case.packed:
+        cu = cu_seqlens()
+        cut = lambda t, dim: cp.shard_varlen(t, cu, group, case.layout) if dim == 0 else \
+            cp.shard_varlen(t.t(), cu, group, case.layout).t()   # noqa: E731
+        call = lambda *a, **kw: cp.sink_attn_varlen_func(*a, cu, max(LENGTHS), **kw)  # noqa: E731
+        seq_dim, lse_dim = 0, 1
+    else:
+        cut = lambda t, dim: cp.shard(t, dim, group, case.layout)  # noqa: E731
+        call, seq_dim, lse_dim = cp.sink_attn_func, 1, 2
+    q, k, v = (cut(x[n], seq_dim).requires_grad_() for n in "qkv")
+    sinks = x["sinks"].clone().requires_grad_()
+    out, lse = call(q, k, v, sinks=sinks, causal=case.causal, window_size=case.window, return_lse=True, group=group,
+                    method=case.method, layout=case.layout, backend=case.backend)
+    ((out * cut(x["dout"], seq_dim)).sum() + (lse * cut(x["dlse"], lse_dim)).sum()).backward()
+    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dsinks=sinks.grad)
+
+
+def _error_case(which: str, rank: int, P: int, cp):
+    """Call ``which`` (one of ``ERRORS``) on every rank; the error raised, as ``(type name, message)``."""
+    B, S, HQ, HKV, D = SHAPE.values()
+    last = rank == P - 1
+    n = S // P
+    q, k, v = torch.randn(B, n, HQ, D), torch.randn(B, n, HKV, D), torch.randn(B, n, HKV, D)
+    kw = dict(causal=True)
+    try:
+        if which == "q shapes differ":
+            m = n - 2 if last else n
+            q, k, v = q[:, :m], k[:, :m], v[:, :m]
+        elif which == "dtype on the last rank" and last:
+            q, k, v = q.double(), k.double(), v.double()
+        elif which == "layout":
+            kw["layout"] = "diagonal"
+        elif which == "method":
+            kw["method"] = "tree"
+        elif which == "not divisible":
+            q, k, v = q[:, :n - 1], k[:, :n - 1], v[:, :n - 1]
+        elif which == "ulysses heads":
+            q, k, v, kw["method"] = torch.randn(B, n, 5, D), k[:, :, :1], v[:, :, :1], "ulysses"
+        elif which == "options differ":
+            kw["causal"] = rank == 0
+        elif which == "packing differs":
+            lengths = [8 * P, 8 * P] if last else [16 * P]
+            cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+            t = 16
+            cp.sink_attn_varlen_func(torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D), cu, 16 * P)
+            return None
+        elif which == "device on the last rank" and last:
+            q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
+        elif which == "shard not divisible":
+            cp.shard(torch.randn(2, 4 * P + 1, 3), 1, layout="contiguous")
+            return None
+        cp.sink_attn_func(q, k, v, **kw)
+    except Exception as exc:      # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _worker(rank: int, P: int, folder: str, names: list[str] | None) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=60))
+    from .. import distributed as cp
+    results: dict = {"cases": {}, "repeats": {}, "errors": {}, "failure": None}
+    try:
+        subgroups = {}
+        for size in sorted({c.subgroups for c in CASES if c.subgroups and P > c.subgroups}):
+            for start in range(0, P, size):       # every rank creates every group, in one order
+                g = dist.new_group(list(range(start, start + size)))
+                if start <= rank < start + size:
+                    subgroups[size] = g
+        for case in CASES:
+            if (names is not None and case.name not in names or case.subgroups and case.subgroups not in subgroups
+                    or P not in case.world_sizes):
+                continue
+            group = subgroups.get(case.subgroups)
+            results["cases"][case.name] = _run_case(case, group, cp)
+            if case.repeat:
+                again = _run_case(case, group, cp)
+                results["repeats"][case.name] = all(torch.equal(again[t], results["cases"][case.name][t])
+                                                    for t in again)
+        for which in ERRORS:
+            results["errors"][which] = _error_case(which, rank, P, cp)
+        first = CASES[0]
+        results["after_errors"] = _run_case(first, None, cp)
+    except Exception:             # noqa: BLE001 - reported to the test process
+        results["failure"] = traceback.format_exc()
+    torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def spawn(P: int, folder: str, names: list[str] | None = None, timeout: float = 240.0) -> list[dict]:
+    """Run the cases (all, or those named) on P gloo ranks; every rank's results, in rank order."""
+    context = mp.spawn(_worker, args=(P, folder, names), nprocs=P, join=False)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    while not context.join(timeout=1.0):
+        if datetime.datetime.now() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"the {P} context-parallel ranks did not finish within {timeout:.0f} s (a hang?)")
+    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(P)]

@@ -1,0 +1,150 @@
+"""sinkattn.distributed against single-process sinkattn on the full tensors, on 2 and 4 gloo
+processes (one spawned group per world size runs every case; see sinkattn.testing.cp)."""
+
+import pytest
+import torch
+
+import sinkattn
+import sinkattn.distributed as cp
+from sinkattn.testing.cp import CASES, ERRORS, LENGTHS, cu_seqlens, inputs, spawn
+
+WORLD_SIZES = (2, 4)
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda P: f"P{P}")
+def ranks(request, tmp_path_factory):
+    P = request.param
+    results = spawn(P, str(tmp_path_factory.mktemp(f"cp{P}")))
+    for r, res in enumerate(results):
+        assert res["failure"] is None, f"rank {r}:\n{res['failure']}"
+    return P, results
+
+
+def _chunks(length, P, layout, rank):
+    """``(start, size)`` of the pieces of one sequence held by ``rank``, written out from the layout's definition."""
+    if layout == "contiguous":
+        c = length // P
+        return [(rank * c, c)]
+    c = length // (2 * P)
+    return [(rank * c, c), ((2 * P - 1 - rank) * c, c)]
+
+
+def _expected_shard(full, dim, P, layout, rank, lengths):
+    pieces, start = [], 0
+    for length in lengths:
+        pieces += [full.narrow(dim, start + a, c) for a, c in _chunks(length, P, layout, rank)]
+        start += length
+    return torch.cat(pieces, dim)
+
+
+def _single_process(case):
+    x = inputs(case)
+    q, k, v, sinks = (x[n].clone().requires_grad_() for n in ("q", "k", "v", "sinks"))
+    kw = dict(sinks=sinks, causal=case.causal, window_size=case.window, return_lse=True, backend=case.backend)
+    if case.packed:
+        cu = cu_seqlens()
+        out, lse = sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, max(LENGTHS), max(LENGTHS), **kw)
+    else:
+        out, lse = sinkattn.sink_attn_func(q, k, v, **kw)
+    ((out * x["dout"]).sum() + (lse * x["dlse"]).sum()).backward()
+    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dsinks=sinks.grad)
+
+
+def _relative_error(got, want):
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _check_against_single_process(case, P, per_rank):
+    want = _single_process(case)
+    lengths = LENGTHS if case.packed else (want["out"].shape[1],)
+    seq_dim, lse_dim = (0, 1) if case.packed else (1, 2)
+    P_eff = case.subgroups or P
+    for r, got in enumerate(per_rank):
+        for name, dim in (("out", seq_dim), ("lse", lse_dim), ("dq", seq_dim), ("dk", seq_dim), ("dv", seq_dim)):
+            shard = _expected_shard(want[name], dim, P_eff, case.layout, r % P_eff, lengths)
+            assert got[name].shape == shard.shape, (case.name, r, name)
+            assert torch.isfinite(got[name]).all(), (case.name, r, name)
+            err = _relative_error(got[name], shard)
+            assert err <= RTOL, f"{case.name} rank {r} {name}: relative error {err:.2e}"
+    for start in range(0, P, P_eff):
+        dsinks = sum(per_rank[r]["dsinks"] for r in range(start, start + P_eff))
+        err = _relative_error(dsinks, want["dsinks"])
+        assert err <= RTOL, f"{case.name}: summed dsinks relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.subgroups], ids=lambda c: c.name)
+def test_matches_single_process(ranks, case):
+    P, results = ranks
+    if P not in case.world_sizes:
+        assert case.name not in results[0]["cases"]
+        return
+    _check_against_single_process(case, P, [res["cases"][case.name] for res in results])
+
+
+def test_subgroups_of_two(ranks):
+    P, results = ranks
+    case = next(c for c in CASES if c.subgroups)
+    if P <= case.subgroups:
+        assert case.name not in results[0]["cases"]
+        return
+    _check_against_single_process(case, P, [res["cases"][case.name] for res in results])
+
+
+def test_bitwise_repeatable(ranks):
+    P, results = ranks
+    repeated = results[0]["repeats"]
+    assert len(repeated) >= 8
+    for r, res in enumerate(results):
+        assert all(res["repeats"].values()), (r, res["repeats"])
+        again, first = res["after_errors"], res["cases"][CASES[0].name]
+        assert all(torch.equal(again[t], first[t]) for t in first), f"rank {r}: call after the error cases differs"
+
+
+_ERROR_TEXT = {
+    "q shapes differ": ("ValueError", "ranks disagree on q.shape[1]"),
+    "dtype on the last rank": ("TypeError", "rejected its inputs: q must have dtype"),
+    "layout": ("ValueError", "layout must be one of"),
+    "method": ("ValueError", "method must be one of"),
+    "not divisible": ("ValueError", "not divisible by"),
+    "ulysses heads": ("ValueError", "HQ=5 must be divisible by the group size"),
+    "options differ": ("ValueError", "ranks disagree on the right window"),
+    "packing differs": ("ValueError", "ranks disagree on the number of sequences"),
+    "device on the last rank": ("NotImplementedError", "rejected its inputs: no fast backend for 'meta'"),
+}
+
+
+@pytest.mark.parametrize("which", ERRORS)
+def test_errors_are_raised_on_every_rank(ranks, which):
+    P, results = ranks
+    raised = [res["errors"][which] for res in results]
+    assert all(e is not None for e in raised), raised
+    if which == "shard not divisible":
+        assert all(e[0] == "ValueError" and "not divisible by" in e[1] for e in raised), raised
+        return
+    kind, text = _ERROR_TEXT[which]
+    assert all(e == raised[0] for e in raised), f"ranks raised different errors: {raised}"
+    assert raised[0][0] == kind and text in raised[0][1], raised[0]
+    if "rejected" in text:
+        assert f"rank {P - 1} of {P}" in raised[0][1]
+
+
+def test_without_a_process_group():
+    x = torch.randn(1, 8, 2, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.sink_attn_func(x, x, x)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        cp.shard(x, 1)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cp.shard(x, 1, layout="rows")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_layout_orders_match_their_definition(layout):
+    from sinkattn.distributed.layout import rank_order
+    for P in (1, 2, 4):
+        lengths = [8 * P, 0, 16 * P]
+        order = rank_order(lengths, P, layout)
+        full = torch.arange(sum(lengths))
+        want = torch.cat([_expected_shard(full, 0, P, layout, r, lengths) for r in range(P)])
+        assert torch.equal(order, want)
