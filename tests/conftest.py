@@ -13,6 +13,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the Triton tests put their tensors: the GPU when there is one, else the interpreter's CPU."""
 
 
+def cold_cache_env(tmp_path) -> dict:
+    """The environment for a fresh process whose compile caches start empty: PyTorch's cache keys
+    do not cover a custom op's registered backward (pytorch#144344), so a warm cache can replay
+    compiled code of the sinkattn that was here before, instead of compiling this one."""
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+                TRITON_CACHE_DIR=str(tmp_path / "triton"))
+
+
 def describe(result) -> str:
     """One line per tensor, for assertion messages."""
     if result.error:

@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from sinkattn import ops
+from conftest import cold_cache_env
 
 SCRIPT = Path(__file__).with_name("compile_check.py")
 
 
 @pytest.mark.parametrize("shapes", ["static", "dynamic"])
-def test_inductor_fullgraph_first_call_in_a_fresh_process(shapes):
-    run = subprocess.run([sys.executable, str(SCRIPT), shapes], capture_output=True, text=True, timeout=900)
+def test_inductor_fullgraph_first_call_in_a_fresh_process(shapes, tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), shapes], capture_output=True, text=True, timeout=900,
+                         env=cold_cache_env(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert run.stdout.count("ok ") == (3 if shapes == "static" else 5), run.stdout
 
@@ -46,4 +48,4 @@ def test_opcheck_forward_and_backward(backend, lens, dtype):
     out, lse, *extra = ops.forward(*detached, *fwd[4:])
     do, dlse = torch.randn(out.shape).to(dtype), torch.randn(lse.shape)
     torch.library.opcheck(torch.ops.sinkattn.backward.default,
-                          (do, dlse, *detached, out, lse, cu, cu, 0.25, -1, 0, backend, extra))
+                          (do, dlse, *detached, out, lse, cu, cu, longest, longest, 0.25, -1, 0, backend, extra))

@@ -77,8 +77,8 @@ def _public(t, backend):
 def _ops(t, backend):
     args = (t["q"], t["k"], t["v"], t["sinks"], t["cu_q"], t["cu_k"])
     out, lse, *extra = torch.ops.sinkattn.forward(*args, max(LENS), max(LENS), SCALE, LEFT, RIGHT, backend, True)
-    grads = torch.ops.sinkattn.backward(t["dout"], t["dlse"], *args[:4], out, lse, *args[4:], SCALE, LEFT, RIGHT,
-                                        backend, extra)
+    grads = torch.ops.sinkattn.backward(t["dout"], t["dlse"], *args[:4], out, lse, *args[4:], max(LENS), max(LENS),
+                                        SCALE, LEFT, RIGHT, backend, extra)
     return [out, lse, *grads]
 
 

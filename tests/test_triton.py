@@ -69,3 +69,23 @@ def test_compensated_flag_must_be_a_bool(monkeypatch):
     monkeypatch.setattr(triton_backend, "COMPENSATED", None)
     result = verify.run_case(_small(cases.cases("L0")[0]), "triton", device=DEVICE)
     assert result.error is not None and result.error.startswith("TypeError") and "COMPENSATED" in result.error
+
+
+@pytest.mark.parametrize("bounds", [(9, 9), (9 + 64, 9 + 130)], ids=["exact", "over-estimated"])
+def test_launch_sized_by_max_seqlen_equals_reading_cu_seqlens(bounds):
+    """Given ``max_seqlen``, the launchers size their grids from it instead of copying ``cu_seqlens``
+    to the host; blocks past a sequence's end (a bound that over-estimates) must write nothing."""
+    torch.manual_seed(0)
+    lens, HQ, HKV, D = [5, 0, 9], 4, 2, 16
+    cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(lens), HQ, D, device=DEVICE)
+    k, v = torch.randn(2, sum(lens), HKV, D, device=DEVICE)
+    sinks, do, dlse = torch.randn(HQ, device=DEVICE), torch.randn_like(q), torch.randn(HQ, sum(lens), device=DEVICE)
+    results = []
+    for max_seqlen in (None, bounds):
+        out, lse, extra = triton_backend.forward(q, k, v, sinks, cu, cu, 0.3, 3, 0, max_seqlen=max_seqlen)
+        grads = triton_backend.backward(do, dlse, q, k, v, sinks, out, lse, cu, cu, 0.3, 3, 0, extra,
+                                        max_seqlen=max_seqlen)
+        results.append([out, lse, *grads])
+    assert not any(t.isnan().any() for t in results[1])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

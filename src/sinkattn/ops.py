@@ -3,7 +3,8 @@
     sinkattn::forward(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, left, right, backend, check_cu_seqlens) -> [out_acc, lse, *extra]
     sinkattn::backward(do, dlse?, q, k, v, sinks?, out_acc, lse, cu_seqlens_q, cu_seqlens_k,
-                       softmax_scale, left, right, backend, extra) -> [dq, dk, dv, dsinks]
+                       max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, extra)
+                       -> [dq, dk, dv, dsinks]
 
 ``out_acc`` is in the backend's declared ``out_dtype`` (fp32; float64 for ``reference``), ``extra``
 the tensors it declares in ``saved``; ``dsinks`` is empty when there are no sinks. Every result is
@@ -35,7 +36,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
                                              max_seqlen_q, max_seqlen_k)
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
-                                                     softmax_scale, left, right)
+                                                     softmax_scale, left, right,
+                                                     max_seqlen=(max_seqlen_q, max_seqlen_k))
     return contiguous(out, lse, *extra)
 
 
@@ -51,30 +53,32 @@ def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
 @torch.library.custom_op("sinkattn::backward", mutates_args=())
 def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-             cu_seqlens_k: torch.Tensor, softmax_scale: float, left: int, right: int, backend: str,
-             extra: list[torch.Tensor]) -> list[torch.Tensor]:
+             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, left: int,
+             right: int, backend: str, extra: list[torch.Tensor]) -> list[torch.Tensor]:
     if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
         dlse = None
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
     dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
-                                                         cu_seqlens_k, softmax_scale, left, right, tuple(extra))
+                                                         cu_seqlens_k, softmax_scale, left, right, tuple(extra),
+                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
     dsinks = dsinks if dsinks is not None else q.new_empty((0,))
     return contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
 
 
 @backward.register_fake
-def _(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, backend,
-      extra):
+def _(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      left, right, backend, extra):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, _, _, softmax_scale, left, right, backend, _ = inputs
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, _ = (
+        inputs)
     out, lse, *extra = output
     ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
-    ctx.options = (softmax_scale, left, right, backend)
+    ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend)
     ctx.has_sinks = sinks is not None
 
 

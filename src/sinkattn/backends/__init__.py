@@ -1,9 +1,14 @@
 """Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``:
 
-    forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+    forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None)
         -> (out [Tq, HQ, D] in CAPABILITIES.out_dtype, lse [HQ, Tq] fp32, extra: CAPABILITIES.saved)
-    backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, extra)
+    backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, extra,
+             max_seqlen=None)
         -> (dq, dk, dv, dsinks or None)
+
+``max_seqlen`` is ``(max_seqlen_q, max_seqlen_k)``, bounds no shorter than the longest sequence
+(checked by the caller), or None to read them from ``cu_seqlens``: a backend that sizes a launch
+with them needs no copy of ``cu_seqlens`` to the host; one that reads the lengths anyway ignores it.
 
 ``choose`` reads only the declarations, so it runs inside ``torch.compile``'s tracing without
 importing anything; the backends themselves run inside the custom ops (``sinkattn.ops``).

@@ -46,7 +46,7 @@ def path_for(q32: torch.Tensor, k32: torch.Tensor, softmax_scale: float):
     return cpu_slab if softmax_scale <= 0 or bound > LARGE_SCORE else cpu_fused
 
 
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None
     -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32, (took_slab_path,))``."""
     q32, k32, v32 = q.float(), k.float(), v.float()
@@ -58,7 +58,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra):
+             extra, max_seqlen=None):
     """``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, the forward's inputs and fp32 ``out``/``lse``
     -> ``(dq, dk, dv)`` fp32 and ``dsinks [HQ]`` in the sinks' dtype (or None). ``extra`` is the
     forward's ``(took_slab_path,)``: the backward takes the path the forward took."""

@@ -18,14 +18,14 @@ CAPABILITIES = Capabilities(
 )
 
 
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
     """``(out [Tq, HQ, D] float64, lse [HQ, Tq] fp32, ())``."""
     out, lse = reference.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
     return out, lse.float(), ()
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra):
+             extra, max_seqlen=None):
     """``(dq, dk, dv)`` float64 and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
     dq, dk, dv, dsinks = reference.backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
                                             softmax_scale, left, right)

@@ -78,6 +78,11 @@ class Tile:
     left: int
     right: int
 
+    @property
+    def max_seqlen(self) -> tuple[int, int]:
+        """The lengths of its query and key sequences (all equal within a tile)."""
+        return self.q.count, self.k.count
+
 
 def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, left: int, right: int,
          device) -> list[Tile]:
@@ -145,7 +150,7 @@ class _Ring(torch.autograd.Function):
             flight = Exchange(kv, group) if step < group.size - 1 else None
             for tile in plans[step]:
                 o_b, lse_b, _ = impl.forward(*_tile_inputs(tile, q, *kv), None, tile.cu_q, tile.cu_k, scale,
-                                             tile.left, tile.right)
+                                             tile.left, tile.right, max_seqlen=tile.max_seqlen)
                 _merge(o, lse, tile.q, o_b, lse_b)
             if flight is not None:
                 kv = flight.wait()
@@ -170,14 +175,15 @@ class _Ring(torch.autograd.Function):
             mine = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
             for tile in plans[step]:
                 qb, kb, vb = _tile_inputs(tile, q, *kv)
-                o_b, lse_b, extra = impl.forward(qb, kb, vb, None, tile.cu_q, tile.cu_k, scale, tile.left, tile.right)
+                o_b, lse_b, extra = impl.forward(qb, kb, vb, None, tile.cu_q, tile.cu_k, scale, tile.left, tile.right,
+                                                 max_seqlen=tile.max_seqlen)
                 do_full = tile.q.packed(dout)
                 w = sink.key_mass(lse_b.view(-1, tile.q.n, tile.q.count), tile.q.stat(lse))   # [HQ, n, R]
                 do_b = do_full.view(tile.q.n, tile.q.count, *do_full.shape[1:]).float() * _heads_last(w)
                 dlse_b = w * (sink.row_delta(do_full, o_b, None).view(w.shape) - tile.q.stat(delta))
                 dq_b, dk_b, dv_b, _ = impl.backward(do_b.view(do_full.shape).to(q.dtype), dlse_b.reshape(lse_b.shape),
                                                     qb, kb, vb, None, o_b, lse_b, tile.cu_q, tile.cu_k, scale,
-                                                    tile.left, tile.right, extra)
+                                                    tile.left, tile.right, extra, max_seqlen=tile.max_seqlen)
                 rows_q = tile.q.of(dq)
                 rows_q += dq_b.view(rows_q.shape)
                 for acc, grad in zip(mine, (dk_b, dv_b)):

@@ -90,11 +90,15 @@ def _sinks_or_minus_inf(sinks, HQ, device):
     return sinks.float().contiguous()
 
 
-def _max_len(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+def _max_lens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen) -> tuple[int, int]:
+    """The longest query and key sequence, at least 1: from ``max_seqlen`` when given, else read from
+    ``cu_seqlens`` (a copy to the host)."""
+    if max_seqlen is None:
+        max_seqlen = [int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0 for cu in (cu_seqlens_q, cu_seqlens_k)]
+    return max(int(max_seqlen[0]), 1), max(int(max_seqlen[1]), 1)
 
 
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
     (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
@@ -107,7 +111,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
     log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
     b = blocks_for(q.device, D, backward=False)
-    grid = (triton.cdiv(max(_max_len(cu_seqlens_q), 1), b.BM), N, HKV)
+    grid = (triton.cdiv(_max_lens(cu_seqlens_q, cu_seqlens_k, max_seqlen)[0], b.BM), N, HKV)
     if N > 0 and Tq > 0:
         kernels.fwd_kernel[grid](
             q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
@@ -121,7 +125,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra):
+             extra, max_seqlen=None):
     """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -151,13 +155,14 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
                do.stride(0), do.stride(1), delta.stride(0))
     scales = (softmax_scale * kernels.LOG2E, softmax_scale, left, right, D)
     Tk = k.shape[0]
+    max_q, max_k = _max_lens(cu_seqlens_q, cu_seqlens_k, max_seqlen)
     if N > 0 and Tq > 0:     # first: with exact_delta it writes the Delta that dK/dV reads
-        kernels.dq_kernel[(triton.cdiv(max(_max_len(cu_seqlens_q), 1), b.BM), N, HQ)](
+        kernels.dq_kernel[(triton.cdiv(max_q, b.BM), N, HQ)](
             q, k, v, do, m2, log2_l, dlse if dlse is not None else delta, delta, dq, cu_seqlens_q, cu_seqlens_k,
             *strides, dq.stride(0), dq.stride(1), *scales, EXACT_DELTA=exact_delta, HAS_DLSE=dlse is not None,
             **common)
     if N > 0 and Tk > 0:
-        kernels.dkdv_kernel[(triton.cdiv(max(_max_len(cu_seqlens_k), 1), b.BN), N, HKV)](
+        kernels.dkdv_kernel[(triton.cdiv(max_k, b.BN), N, HKV)](
             q, k, v, do, m2, log2_l, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scales, **common)
     dsinks = sink.dsinks_from(sinks, lse, delta) if sinks is not None else None
