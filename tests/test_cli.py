@@ -2,11 +2,13 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +282,27 @@ def test_help_points_to_the_contract_in_the_repository(capsys):
         helps.append(capsys.readouterr().out)
     assert "docs/contract.md" in helps[0] and "docs/contract.md" in helps[1]
     assert not any("DESIGN.md" in h for h in helps)
+
+
+def _skeleton(line: str) -> str:
+    """A line of output with its figures (and the commit hash) blanked, whitespace collapsed."""
+    line = re.sub(r"commit=\w+", "commit=#", line)
+    return " ".join(re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", line).split())
+
+
+def test_readme_sample_output_is_what_the_main_job_prints_now(tmp_path, capsys, monkeypatch):
+    """The titles, verdict, bench header keys and footnotes of the README's sample of ``python -m sinkattn``
+    are what the current code prints (its figures differ from run to run, its words must not)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    sample = re.search(r"^```\n\$ python -m sinkattn\n(.*?)^```", readme, flags=re.S | re.M).group(1).splitlines()
+    monkeypatch.setenv("COLUMNS", "130")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([]) == 0
+    printed = capsys.readouterr().out
+    words = {_skeleton(line) for line in printed.splitlines()}
+    checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|median ms|verdict:|\[\d\]|"
+                                                   r"plot written|┃ case|┃ B )", line)]
+    assert len(checked) == 9, checked
+    assert [line for line in checked if _skeleton(line) not in words] == []
+    keys = [re.findall(r"(\w+)=", "".join(lines)) for lines in (sample, printed.splitlines())]
+    assert keys[0] == keys[1] and "isa" in keys[0]
