@@ -11,12 +11,12 @@ Run in a fresh process (it is its own). Asserts nothing: the test suite runs a s
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 import torch
 
 import sinkattn
+from sinkattn.testing import bench
 
 
 def rss_mib() -> float:
@@ -67,9 +67,7 @@ def main(argv=None) -> dict:
     for i, rss in result["trace"]:
         print(f"after {i:4d} calls: RSS {rss:8.1f} MiB")
     print(f"growth over {args.calls} calls with new lengths, window {window}: {result['growth_mib']:.1f} MiB")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    bench.write_json(args.json, result)
     return result
 
 

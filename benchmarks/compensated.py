@@ -13,7 +13,6 @@ nothing about GPU speed. Asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -72,9 +71,7 @@ def main(argv=None) -> dict:
         triton_backend.COMPENSATED = saved
     report = {"header": {**bench.header(DEVICE), "interpreter": DEVICE != "cuda"},
               "command": f"python benchmarks/compensated.py --seeds {args.seeds}", "rows": rows}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    bench.write_json(args.json, report)
     return report
 
 

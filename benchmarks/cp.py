@@ -185,9 +185,7 @@ def _report(rows, args, seq=None, repeats=None) -> dict:
               f" ({vs['peak_growth_mib_vs_single_process']:.3f}x single)  "
               f"time {'-' if sec is None else f'{sec * 1e3:9.1f} ms'} ({vs['seconds_vs_single_process']:.3f}x single)")
     report = dict(header=info, problem=PROBLEM | dict(S=seq or args.seq), rows=rows, summary=summary)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    bench.write_json(args.json, report)
     return report
 
 

@@ -18,7 +18,6 @@ causal at S=8192.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 
@@ -108,9 +107,7 @@ def main(argv=None):
             t = r["seconds"]
             print(f"[window] {r['mode']:8s} causal {t['causal'] * 1e3:8.1f} ms | window (511,0) "
                   f"{t['window_511_0'] * 1e3:8.1f} ms | cost {r['window_cost_vs_causal']:.3f}x   ({r['shape']})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(header=info, rows=rows), f, indent=2)
+    bench.write_json(args.json, dict(header=info, rows=rows))
     return rows
 
 

@@ -17,7 +17,6 @@ Triton interpreter on tiny shapes and says that speed was not measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sinkattn import __main__ as cli  # noqa: E402
-from sinkattn.testing import cases, verify  # noqa: E402
+from sinkattn.testing import bench, cases, verify  # noqa: E402
 
 
 def correctness(levels, scaled: bool) -> list[dict]:
@@ -69,9 +68,7 @@ def main(argv=None):
     ok = all(r["passed"] for r in report["correctness"])
     print(f"verdict: correctness {'PASS' if ok else 'FAIL'}"
           + (f"; bench FAILED (exit code {bench_rc})" if bench_rc else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    bench.write_json(args.json, report)
     return 0 if ok and bench_rc == 0 else 1
 
 

@@ -141,9 +141,7 @@ def main(argv=None) -> dict:
           f"peak growth {_show(ratios['peak_growth_vs_eager'])} (target <= 0.2x)")
     report = dict(header=info, model=MODEL, rows=rows, ratios=ratios,
                   eager_not_run=f"4 x {long_}: fp32 scores {eager_scores_gib:.0f} GiB per layer")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    bench.write_json(args.json, report)
     return report
 
 

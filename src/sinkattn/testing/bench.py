@@ -19,6 +19,7 @@ allocator peak, or the process's peak RSS on CPU).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -452,6 +453,13 @@ def _commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def write_json(path, record) -> None:
+    """Write ``record`` to ``path`` as indented JSON; nothing when ``path`` is None or empty."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)
 
 
 def header(device="cpu") -> dict:
