@@ -118,6 +118,9 @@ MORE_BAD_VALUES = [   # the same checks, more of their branches, in this process
     (["bench", "--repeats", "x"], "--repeats"),
     (["bench", "--plot", "{out}/b.txt"], "--plot"),
     (["bench", "--json", "{out}"], "--json"),
+    (["bench", "--json", "/proc/b.json"], "--json"),               # a folder that exists but takes no files
+    (["bench", "--plot", "/proc/b.png"], "--plot"),
+    (["--out", "/proc/sinkattn-out"], "--out"),
     (["bench", "--dtype", "fp8"], "--dtype"),
     (["verify", "--repeats", "0"], "--repeats"),
     (["verify", "--dtype", "half"], "--dtype"),
@@ -189,6 +192,13 @@ def test_more_bad_values_in_process(tmp_path, capsys, monkeypatch, argv, option)
     assert err.out == "" and _no_work_done(tmp_path) == []
 
 
+@pytest.mark.parametrize("text,window", [("-1,0", (-1, 0)), ("-1,-1", (-1, -1)), ("7,-1", (7, -1))])
+def test_a_window_with_a_leading_minus_is_a_value_not_an_option(text, window):
+    assert cli._parser().parse_args(["bench", "--no-causal", "--window", text]).window == window
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["bench", "-1"])         # still no positional arguments
+
+
 @pytest.mark.parametrize("spellings", [("fp16", "float16"), ("bf16", "bfloat16"), ("fp32", "float32")])
 @pytest.mark.parametrize("command", ["verify", "bench"])
 def test_both_dtype_spellings_everywhere(command, spellings):
@@ -257,7 +267,7 @@ def test_verify_defaults_to_the_device_present(monkeypatch, gpu, backend, on_gpu
 
 
 def test_keyboard_interrupt_is_a_short_message_and_exit_130():
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "sinkattn", "bench", "--config", "cpu-default", "--modes", "fwd",
                              "--repeats", "500", "--providers", "sinkattn"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
@@ -265,7 +275,11 @@ def test_keyboard_interrupt_is_a_short_message_and_exit_130():
         assert proc.stdout.readline().startswith("bench:")     # options checked, the timing under way
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:       # hung: SIGABRT makes faulthandler print every thread's stack
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail("no exit within 120 s of SIGINT; stacks:\n" + proc.communicate(timeout=30)[1][-4000:])
     finally:
         proc.kill()
     # 130, or death by SIGINT (-2 here, 130 in a shell's $?): under `python -m`, CPython sometimes ends a run by

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -42,6 +43,11 @@ _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error: ``sinkattn bench: error: argument --x: why (see ... --help)``, exit 2."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse takes "-1,0" (after --window) for an option; let number lists with a leading minus be values
+        self._negative_number_matcher = re.compile(r"^-\d[\d,.\-]*$|^-\.\d")
+
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
@@ -56,9 +62,15 @@ def _rich():
     console = Console()
     if not console.is_terminal:      # files and pipes: wide enough for the tables, no wrapping
         console = Console(width=120)
+    # no auto refresh: its background thread can deadlock with the main thread when Ctrl-C lands inside rich's
+    # lock; the bar is redrawn by each step instead (_advance)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
+                        console=console, transient=True, auto_refresh=False)
     return console, Table, progress
+
+
+def _advance(progress, task) -> None:
+    progress.update(task, advance=1, refresh=True)
 
 
 def _fmt(x, spec):
@@ -96,10 +108,11 @@ def cmd_verify(args) -> int:
     ran = args.backend if args.backend == args.runs_on else f"{args.backend} -> {args.runs_on}"
     with progress:
         task = progress.add_task(f"verify {args.level} on {ran}", total=len(args.cases))
+        progress.refresh()
         for case in args.cases:
             results.append(verify.run_case(case, args.backend, gate_b=not args.no_gate_b,
                                            repeats=args.repeats, device=args.device))
-            progress.advance(task)
+            _advance(progress, task)
     table = Table(title=f"sinkattn verify: level {args.level}, backend {ran}, {args.device} tensors, "
                         f"golden = float64 reference")
     for col, just in (("case", "left"), ("tensor", "left"), ("dtype", "left"), ("A ratio", "right"),
@@ -190,8 +203,9 @@ def cmd_bench(args) -> int:
     console.print("bench: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     with progress:
         task = progress.add_task("bench", total=len(problems) * len(modes))
+        progress.refresh()
         rows = bench.run(problems, args.providers, modes, repeats=args.repeats, warmup=1, device=args.device,
-                         progress=lambda: progress.advance(task))
+                         progress=lambda: _advance(progress, task))
     setting = bench.common_label(problems)
     table = Table(title=f"sinkattn bench: {setting}\n"
                         "median ms; GFLOP/s of visible pairs; vs peer = best peer ms / ours")
@@ -283,7 +297,10 @@ def _run(argv) -> int:
         args.check(args.parser, args)
         return args.run(args)
     out = args.out or "sinkattn-out"
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"argument --out: cannot create {out!r}: {exc.strerror or exc}")
     steps = [ap.parse_args(["verify", "--json", os.path.join(out, "verify.json")]),
              ap.parse_args(["bench", "--json", os.path.join(out, "bench.json"),
                             "--plot", os.path.join(out, "bench.png")])]

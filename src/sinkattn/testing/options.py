@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import tempfile
 
 import torch
 
@@ -111,9 +112,20 @@ def json_file(text: str) -> str:
     folder = os.path.dirname(os.path.abspath(text))
     if not os.path.isdir(folder):
         raise _Bad(f"folder {folder!r} does not exist; create it first")
-    if not os.access(folder, os.W_OK):
-        raise _Bad(f"folder {folder!r} is not writable")
+    _can_write_in(folder, text)
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise _Bad(f"{text!r} exists and is not writable")
     return text
+
+
+def _can_write_in(folder: str, text: str) -> None:
+    """Refuse ``text`` unless a file can really be made in ``folder`` (``os.access`` says yes to root in
+    ``/proc``, read-only mounts and full disks)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise _Bad(f"cannot write {text!r}: no file can be made in {folder!r} ({exc.strerror or exc})") from None
 
 
 def plot_file(text: str) -> str:
@@ -137,8 +149,9 @@ def out_dir(text: str) -> str:
     parent = path
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise _Bad(f"cannot create or write {text!r}: {parent!r} is not a writable folder")
+    if not os.path.isdir(parent):
+        raise _Bad(f"cannot create {text!r}: {parent!r} is not a folder")
+    _can_write_in(parent, text)
     return text
 
 
