@@ -100,6 +100,7 @@ BAD_VALUES = [   # (arguments, the option the one-line error must name): each in
     (["bench", "--modes", "fwd,backward"], "--modes"),
     (["bench", "--providers", "sinkattn,foo"], "--providers"),
     (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--providers", "sdpa,eager"], "--providers"),       # nothing of ours would run
     (["bench", "--device", "cuda"], "--device"),                   # the subprocess sees no GPU
     (["bench", "--json", "{missing}/b.json"], "--json"),
     (["bench", "--plot", "{missing}/b.png"], "--plot"),

@@ -120,3 +120,19 @@ def test_cu_seqlens_changed_in_place_is_checked_again():
     sink_attn_varlen_func(**args)
     with pytest.raises(ValueError, match="max_seqlen_q=5"):  # same tensors, other counts
         sink_attn_varlen_func(**{**args, "max_seqlen_q": 5})
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("write", ["data", "numpy"])
+def test_cu_seqlens_changed_behind_the_version_counter_is_checked_again(backend, write):
+    """``.data`` and numpy views write without a new ``_version``: a memo keyed on it would accept
+    the broken lengths (garbage here, reads out of bounds on a GPU)."""
+    args = _packed() | {"backend": backend}
+    sink_attn_varlen_func(**args)
+    cu = args["cu_seqlens_q"]
+    if write == "data":
+        cu.data[1] = 11
+    else:
+        cu.numpy()[1] = 11
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        sink_attn_varlen_func(**args)

@@ -194,6 +194,9 @@ def check_bench(ap, args) -> None:
     if args.providers is None:
         args.providers = (("sinkattn", "sdpa", "flex_lse", "flash_attn", "eager") if args.device == "cuda"
                           else ("sinkattn", "sdpa", "sdpa_lse", "eager"))
+    elif "sinkattn" not in args.providers:
+        ap.error(f"argument --providers: bench times sinkattn against its peers; include sinkattn "
+                 f"(e.g. --providers sinkattn,{','.join(args.providers)})")
 
 
 def cmd_bench(args) -> int:

@@ -124,9 +124,11 @@ def _contents(name: str, values: list[int], total: int, max_name: str, max_seqle
 
 
 class _Checked:
-    """The last few ``cu_seqlens`` pairs found valid, by object and version: every layer of a model
-    gets the same tensors, and only the first call needs to read them to the host (on a GPU, a
-    synchronisation). A tensor changed in place has a new version and is read again."""
+    """The last few GPU ``cu_seqlens`` pairs found valid, by object and version: every layer of a
+    model gets the same tensors, and only the first call needs to read them to the host (a
+    synchronisation). A tensor changed in place through torch has a new version and is read again;
+    writes that bypass the version counter (``.data``, a DLPack or CUDA-array view) are not seen,
+    which is why CPU tensors, whose check costs microseconds and no synchronisation, are not memoised."""
 
     def __init__(self, size: int = 8) -> None:
         self.size = size
@@ -154,14 +156,16 @@ _checked = _Checked()
 def check_cu_seqlens_contents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, Tq: int, Tk: int,
                               max_seqlen_q: int, max_seqlen_k: int) -> None:
     """The values of ``cu_seqlens_*``: start at 0, non-decreasing, end at the token counts, lengths
-    within ``max_seqlen_*``. Reads both tensors to the host (one copy each), unless these very
-    tensors, unchanged, passed with the same counts in one of the last calls."""
+    within ``max_seqlen_*``. Reads both tensors to the host (one copy each) on every call, except GPU
+    tensors that, unchanged, passed with the same counts in one of the last calls (``_Checked``)."""
     tensors, facts = (cu_seqlens_q, cu_seqlens_k), (int(Tq), int(Tk), int(max_seqlen_q), int(max_seqlen_k))
-    if _checked.seen(tensors, facts):
+    memoise = cu_seqlens_q.device.type != "cpu"
+    if memoise and _checked.seen(tensors, facts):
         return
     _contents("cu_seqlens_q", cu_seqlens_q.tolist(), Tq, "max_seqlen_q", max_seqlen_q)
     _contents("cu_seqlens_k", cu_seqlens_k.tolist(), Tk, "max_seqlen_k", max_seqlen_k)
-    _checked.add(tensors, facts)
+    if memoise:
+        _checked.add(tensors, facts)
 
 
 def check_dense(q, k, v) -> None:
