@@ -49,3 +49,27 @@ def test_opcheck_forward_and_backward(backend, lens, dtype):
     do, dlse = torch.randn(out.shape).to(dtype), torch.randn(lse.shape)
     torch.library.opcheck(torch.ops.sinkattn.backward.default,
                           (do, dlse, *detached, out, lse, cu, cu, longest, longest, 0.25, -1, 0, backend, extra))
+
+
+NUMPY_BOOL = """
+import numpy as np, torch, sinkattn
+q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+eager = sinkattn.sink_attn_func(q, k, v, causal=True)
+f = lambda q, k, v, c: sinkattn.sink_attn_func(q, k, v, causal=c)
+print("default", torch.equal(torch.compile(f)(q, k, v, np.bool_(True)), eager))
+g = lambda q, k, v, c: sinkattn.sink_attn_func(q, k, v, causal=c)   # another code object: compiled anew
+try:
+    torch.compile(g, fullgraph=True)(q, k, v, np.bool_(True))
+    print("fullgraph accepted")
+except Exception as exc:
+    print("fullgraph refused:", "pass bool(causal)" in str(exc))
+"""
+
+
+def test_numpy_bool_under_compile_runs_or_says_pass_a_python_bool(tmp_path):
+    """torch.compile traces a numpy bool as an array: the default compile (which may break the graph)
+    runs it as eager does; fullgraph=True gets our message, not dynamo's failure to print an array."""
+    run = subprocess.run([sys.executable, "-c", NUMPY_BOOL], capture_output=True, text=True, timeout=600,
+                         env=cold_cache_env(tmp_path))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split("\n")[:2] == ["default True", "fullgraph refused: True"], run.stdout + run.stderr[-3000:]

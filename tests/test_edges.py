@@ -74,12 +74,28 @@ def test_numpy_bools_are_bools():
 
 def test_forward_mode_ad_is_refused():
     q, k, v, sinks = _dense(requires_grad=False)
-    with pytest.raises(NotImplementedError, match="forward-mode AD"):
-        torch.func.jvp(lambda q: sinkattn.sink_attn_func(q, k, v, sinks=sinks), (q,), (torch.ones_like(q),))
     with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
         sinkattn.sink_attn_func(q, k, forward_ad.make_dual(v, torch.ones_like(v)), sinks=sinks)
     with forward_ad.dual_level():      # a dual level without tangents on sinkattn's inputs is fine
         assert torch.isfinite(sinkattn.sink_attn_func(q, k, v, sinks=sinks)).all()
+
+
+@pytest.mark.parametrize("transform", ["jvp", "vjp", "grad", "jacrev", "vmap"])
+def test_torch_func_transforms_are_refused_with_what_to_use(transform):
+    """None works over the custom op's autograd (PyTorch fails deep inside); the error says so and
+    points to reverse mode outside them, which the message's advice must then really do."""
+    q, k, v, sinks = _dense(requires_grad=False)
+    f = lambda q: sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True)    # noqa: E731
+    run = {"jvp": lambda: torch.func.jvp(f, (q,), (torch.ones_like(q),)),
+           "vjp": lambda: torch.func.vjp(f, q)[1](torch.ones_like(q)),
+           "grad": lambda: torch.func.grad(lambda q: f(q).sum())(q),
+           "jacrev": lambda: torch.func.jacrev(f)(q),
+           "vmap": lambda: torch.func.vmap(f)(q[None])}[transform]
+    with pytest.raises(NotImplementedError, match="torch.func transforms.*torch.autograd.grad"):
+        run()
+    q.requires_grad_(True)
+    (dq,) = torch.autograd.grad(f(q).sum(), q)
+    assert torch.isfinite(dq).all() and dq.abs().sum() > 0
 
 
 def test_double_backward_is_refused_at_the_first_create_graph():

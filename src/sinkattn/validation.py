@@ -37,6 +37,10 @@ def as_bool(name: str, x) -> bool:
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(x, numpy.bool_):
         return bool(x)
+    if numpy is not None and torch.compiler.is_compiling() and isinstance(x, numpy.ndarray):
+        # torch.compile traces numpy values as arrays, whose truth would be a data-dependent branch
+        raise TypeError(f"{name} must be a Python bool under torch.compile (a numpy bool is traced as an "
+                        f"array); pass bool({name})")
     raise TypeError(f"{name} must be a bool, got {_type_name(x)} {x!r}")
 
 
