@@ -108,8 +108,10 @@ _ERROR_TEXT = {
     "method": ("ValueError", "method must be one of"),
     "not divisible": ("ValueError", "not divisible by"),
     "ulysses heads": ("ValueError", "HQ=5 must be divisible by the group size"),
-    "options differ": ("ValueError", "ranks disagree on the right window"),
-    "packing differs": ("ValueError", "ranks disagree on the number of sequences"),
+    "options differ": ("ValueError", "ranks disagree on the right window (0 under causal=True): rank 0 has 0, "
+                                     "rank 1 has unbounded (-1)"),
+    "methods differ": ("ValueError", "ranks disagree on method: rank 0 has 'ring', rank 1 has 'ulysses'"),
+    "packing differs": ("ValueError", "ranks disagree on the number of sequences: rank 0 has 1"),
     "device on the last rank": ("NotImplementedError", "rejected its inputs: no fast backend for 'meta'"),
 }
 
@@ -148,3 +150,29 @@ def test_layout_orders_match_their_definition(layout):
         full = torch.arange(sum(lengths))
         want = torch.cat([_expected_shard(full, 0, P, layout, r, lengths) for r in range(P)])
         assert torch.equal(order, want)
+
+
+def test_destroy_process_group_stops_gloo_threads_after_a_sinkattn_call(tmp_path):
+    """The first torch.library call imports torch._dynamo and with it torch.distributed.nn.functional,
+    whose default arguments bind the default group. Done after init_process_group, that kept the group
+    alive past destroy_process_group, and its gloo threads could abort the process at exit."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import os
+        import torch
+        import sinkattn
+        import sinkattn.distributed as cp
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        x = torch.randn(1, 8, 2, 8)
+        sinkattn.sink_attn_func(x, x, x, causal=True)
+        cp.sink_attn_func(x, x, x, causal=True, method="ulysses")
+        dist.destroy_process_group()
+        names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        print("gloo threads left:", sum("gloo" in n for n in names))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "gloo threads left: 0" in run.stdout, run.stdout

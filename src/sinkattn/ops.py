@@ -23,6 +23,15 @@ import torch
 from . import backends, validation
 from .backends.buffers import contiguous
 
+if torch.distributed.is_available():
+    # The first call of any torch.library op imports torch._dynamo, which imports
+    # torch.distributed.nn.functional, whose functions bind ``group=dist.group.WORLD`` as default
+    # arguments. Imported after init_process_group, they hold the default group for good:
+    # destroy_process_group cannot free it, gloo's worker threads outlive the interpreter, and a
+    # rank can abort at exit ("terminate called without an active exception", pytorch#190489).
+    # Imported here, with sinkattn, it binds None instead (about 3 ms once torch is loaded).
+    import torch.distributed.nn.functional  # noqa: F401
+
 __all__ = ["forward", "backward"]
 
 
