@@ -21,19 +21,39 @@ def _check_method(method) -> str:
     return method
 
 
+_DEVICES = ("cpu", "cuda", "another device")
+
+
 def _facts(q, k, sinks, lengths, scale, left, right, return_lse, method, layout, backend, needs_grad, P):
-    """What every rank must agree on, as numbers: shapes, dtype, device kind, options, packing."""
+    """What every rank must agree on, as numbers: shapes, dtype, device kind, options, packing
+    (``_shown`` puts each back in words)."""
     checksum = sum((n + 1) * length for n, length in enumerate(lengths)) % (1 << 52)
     return {
         "the group size": P, **{f"q.shape[{i}]": n for i, n in enumerate(q.shape)},
         **{f"k.shape[{i}]": n for i, n in enumerate(k.shape)}, "the dtype": _DTYPES[q.dtype],
-        "the device type": 1.0 if q.device.type == "cuda" else 0.0 if q.device.type == "cpu" else 2.0,
+        "the device type": _DEVICES.index(q.device.type) if q.device.type in _DEVICES[:2] else 2,
         "whether sinks are given": sinks is not None, "softmax_scale": scale, "the left window": left,
-        "the right window": right, "return_lse": bool(return_lse), "method": METHODS.index(method),
+        "the right window (0 under causal=True)": right, "return_lse": bool(return_lse), "method": METHODS.index(method),
         "layout": LAYOUTS.index(layout), "backend": backends.NAMES.index(backend),
         "whether gradients are needed": needs_grad, "the number of sequences": len(lengths),
-        "the packing (cu_seqlens)": checksum, "the token count": sum(lengths),
+        "the token count": sum(lengths), "the packing (cu_seqlens)": checksum,
     }
+
+
+def _shown(name: str, value: float) -> str:
+    """A fact of ``_facts`` in words, for the message when ranks disagree."""
+    words = {"the dtype": {v: str(d).removeprefix("torch.") for d, v in _DTYPES.items()},
+             "the device type": dict(enumerate(_DEVICES)), "method": dict(enumerate(METHODS)),
+             "layout": dict(enumerate(LAYOUTS)), "backend": dict(enumerate(backends.NAMES))}
+    if name in words:
+        return repr(words[name][int(value)])
+    if name.startswith(("whether", "return_lse")):
+        return "yes" if value else "no"
+    if "window" in name:
+        return "unbounded (-1)" if value == -1 else f"{value:g}"
+    if name == "the packing (cu_seqlens)":
+        return f"lengths with checksum {value:g}"
+    return f"{value:g}"
 
 
 def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method, layout,
@@ -59,7 +79,7 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
         ready = (lengths, scale, left, right, name)
     except (TypeError, ValueError, NotImplementedError) as exc:
         error = exc
-    groups.agree(g, facts, error)
+    groups.agree(g, facts, error, _shown)
     return g, ready
 
 

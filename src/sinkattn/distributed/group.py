@@ -52,11 +52,13 @@ def resolve(group=None) -> Group:
                  dist.get_global_rank(handle, (rank - 1) % size))
 
 
-def agree(group: Group, facts: dict[str, float] | None, error: Exception | None) -> None:
+def agree(group: Group, facts: dict[str, float] | None, error: Exception | None,
+          show=lambda name, value: f"{value:g}") -> None:
     """Raise the same error on every rank unless every rank passed ``error=None`` and equal ``facts``.
 
     One ``all_gather`` of a small float64 descriptor (``facts`` in a fixed order, at most 62;
     ints are exact up to 2**53); only on failure a second exchange carries the failing rank's message.
+    ``show(name, value)`` words a fact's value for the message when ranks disagree.
     """
     names = list(facts) if facts is not None else []
     code = 0 if error is None else 1 + next(i for i, t in enumerate(_ERROR_TYPES) if isinstance(error, t))
@@ -77,8 +79,10 @@ def agree(group: Group, facts: dict[str, float] | None, error: Exception | None)
     for r in range(1, group.size):
         if not torch.equal(rows[r], rows[0]):
             i = next(i for i in range(2, 2 + len(names)) if not torch.equal(rows[r][i], rows[0][i]))
-            raise ValueError(f"sinkattn.distributed: ranks disagree on {names[i - 2]}: rank 0 has "
-                             f"{rows[0][i].item():g}, rank {r} has {rows[r][i].item():g}; every rank of the group "
+            name = names[i - 2]
+            raise ValueError(f"sinkattn.distributed: ranks disagree on {name}: rank 0 has "
+                             f"{show(name, rows[0][i].item())}, rank {r} has {show(name, rows[r][i].item())}; "
+                             f"every rank of the group "
                              f"must pass its shard of one call (same shapes, dtype, options and packing)")
 
 

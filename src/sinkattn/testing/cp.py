@@ -59,7 +59,7 @@ CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
           CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5)]
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
-          "options differ", "packing differs", "device on the last rank", "shard not divisible")
+          "options differ", "methods differ", "packing differs", "device on the last rank", "shard not divisible")
 
 
 def inputs(case: CPCase, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -128,6 +128,8 @@ def _error_case(which: str, rank: int, P: int, cp):
             q, k, v, kw["method"] = torch.randn(B, n, 5, D), k[:, :, :1], v[:, :, :1], "ulysses"
         elif which == "options differ":
             kw["causal"] = rank == 0
+        elif which == "methods differ":
+            kw["method"] = "ring" if rank == 0 else "ulysses"
         elif which == "packing differs":
             lengths = [8 * P, 8 * P] if last else [16 * P]
             cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
