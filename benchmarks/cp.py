@@ -174,16 +174,19 @@ def _report(rows, args, seq=None, repeats=None) -> dict:
 
     info = bench.header()
     summary = _summary(rows)
+    single = next((e for e in summary if e["provider"] == "single-process"), {})
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
     print(f"problem: {PROBLEM}, S={seq or args.seq}, fp32, fwd+bwd, medians of {repeats or args.repeats} steps")
     for e in summary:
         mem = e.get("max_rank_peak_growth_mib")
         sec = e.get("max_rank_seconds")
-        vs = {k: e.get(k, float("nan")) for k in ("peak_growth_mib_vs_single_process", "seconds_vs_single_process")}
+        # a peak growth of 0 (freed memory reused, RSS did not grow) has no ratio
+        vs = [f"{e[k + '_vs_single_process']:.3f}x single" if k + "_vs_single_process" in e
+              else "single measured 0" if single.get("max_rank_" + k) == 0 else "-"
+              for k in ("peak_growth_mib", "seconds")]
         print(f"  {e['provider']:15s} P={e['P']}  local tokens {e['local_tokens']:6d}  "
-              f"peak growth/rank {'-' if mem is None else f'{mem:8.1f} MiB'}"
-              f" ({vs['peak_growth_mib_vs_single_process']:.3f}x single)  "
-              f"time {'-' if sec is None else f'{sec * 1e3:9.1f} ms'} ({vs['seconds_vs_single_process']:.3f}x single)")
+              f"peak growth/rank {'-' if mem is None else f'{mem:8.1f} MiB'} ({vs[0]})  "
+              f"time {'-' if sec is None else f'{sec * 1e3:9.1f} ms'} ({vs[1]})")
     report = dict(header=info, problem=PROBLEM | dict(S=seq or args.seq), rows=rows, summary=summary)
     bench.write_json(args.json, report)
     return report
