@@ -113,6 +113,10 @@ _ERROR_TEXT = {
     "methods differ": ("ValueError", "ranks disagree on method: rank 0 has 'ring', rank 1 has 'ulysses'"),
     "packing differs": ("ValueError", "ranks disagree on the number of sequences: rank 0 has 1"),
     "device on the last rank": ("NotImplementedError", "rejected its inputs: no fast backend for 'meta'"),
+    "double backward ring": ("RuntimeError", "double backward is not supported"),
+    "double backward ulysses": ("RuntimeError", "double backward is not supported"),
+    "forward-mode AD": ("NotImplementedError", "sinkattn does not support forward-mode AD"),
+    "torch.func.jvp": ("NotImplementedError", "sinkattn does not support torch.func transforms"),
 }
 
 

@@ -55,6 +55,26 @@ def test_huge_windows_mean_unbounded(backend, window, same_as):
     _assert_matches_golden(backend, window_size=window)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bound", [2**63, 2**100, sys.maxsize])
+def test_huge_max_seqlen_is_a_loose_bound(backend, bound):
+    """Any bound at least the longest sequence is valid: past the op's int64 it gave a schema error,
+    and the Triton grid (sized from it) grew without limit."""
+    q, k, v = (x[0] for x in _dense(B=1, S=21, requires_grad=False)[:3])
+    cu = torch.tensor([0, 9, 21], dtype=torch.int32)
+    run = lambda m: sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, m, m, causal=True,     # noqa: E731
+                                                   window_size=(5, 0), backend=backend)
+    assert torch.equal(run(bound), run(12))
+
+
+def test_triton_grid_is_capped_at_the_token_count():
+    from sinkattn.backends import triton as triton_backend
+    q, k = torch.empty(21, 4, 8), torch.empty(30, 2, 8)
+    cu = torch.tensor([0, 9, 21], dtype=torch.int32)
+    assert triton_backend._max_lens(q, k, cu, cu, (2**62, 2**40)) == (21, 30)
+    assert triton_backend._max_lens(q, k, cu, cu, (12, 13)) == (12, 13)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_scores_beyond_fp32_are_refused_by_the_fp32_backends(backend):
     """A legal softmax_scale with large q and k: fp32 scores would overflow to NaN (Triton returned

@@ -9,31 +9,15 @@ traces under ``torch.compile(fullgraph=True)``: it reads shapes and Python value
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 
-from . import backends, defaults, masks, ops, validation
+from . import autodiff, backends, defaults, masks, ops, validation
 
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 
 
-def _refuse_unsupported_autodiff(*tensors) -> None:
-    """The custom op has reverse-mode autograd only: ``backward()`` and ``torch.autograd.grad``.
-    Forward-mode AD (``torch.autograd.forward_ad``) would hand back zero tangents, and the
-    ``torch.func`` transforms fail deep inside PyTorch; both are refused here with what to use."""
-    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
-        transform = torch._C._functorch.peek_interpreter_stack().key().name
-        raise NotImplementedError(f"sinkattn does not support torch.func transforms (grad, vjp, jacrev, vmap, "
-                                  f"jvp, ...; here: {transform}): use reverse-mode autograd outside them, "
-                                  f"loss.backward() or torch.autograd.grad")
-    if forward_ad._current_level >= 0 and any(
-            t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors):
-        raise NotImplementedError("sinkattn does not support forward-mode AD (torch.autograd.forward_ad, "
-                                  "torch.func.jvp): use reverse mode, loss.backward() or torch.autograd.grad")
-
-
 def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
          window_size, backend, check_cu_seqlens=True):
-    _refuse_unsupported_autodiff(q, k, v, sinks)
+    autodiff.refuse_unsupported(q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
     name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
@@ -75,6 +59,8 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """
     validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
+    # a bound past the token count bounds no more than it (and then fits the op's int64)
+    max_seqlen_q, max_seqlen_k = torch.sym_min(max_seqlen_q, q.shape[0]), torch.sym_min(max_seqlen_k, k.shape[0])
     out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
                     window_size, backend)
     return (out, lse) if validation.as_bool("return_lse", return_lse) else out

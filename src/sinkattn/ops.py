@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backends, validation
+from . import autodiff, backends, validation
 from .backends.buffers import contiguous
 
 if torch.distributed.is_available():
@@ -92,9 +92,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        raise RuntimeError("sinkattn: double backward is not supported (its backward is not differentiable): "
-                           "call backward / torch.autograd.grad without create_graph=True")
+    autodiff.refuse_double_backward()
     dout, dlse = grads[0], grads[1]
     q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = ctx.saved_tensors
     if dout is None:

@@ -44,11 +44,20 @@ def as_bool(name: str, x) -> bool:
     raise TypeError(f"{name} must be a bool, got {_type_name(x)} {x!r}")
 
 
+def _dense(name: str, x: torch.Tensor) -> None:
+    """A plain strided tensor: not sparse, mkldnn or nested (whose sizes are not one shape)."""
+    if x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a nested tensor; for sequences of "
+                        f"different lengths, concatenate them along the token dim and pass their offsets as "
+                        f"cu_seqlens to sinkattn.sink_attn_varlen_func")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; call {name}.to_dense()")
+
+
 def _tensor(name: str, x, rank: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {_type_name(x)}")
-    if x.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}; call {name}.to_dense()")
+    _dense(name, x)
     if not x.dtype.is_floating_point or x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
     if x.dim() != rank:
@@ -84,8 +93,7 @@ def _cu_seqlens(name: str, cu, device: torch.device) -> None:
     """What can be checked without reading the values (the values: ``check_cu_seqlens_contents``)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor [N+1], got {_type_name(cu)}")
-    if cu.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {cu.layout}; call {name}.to_dense()")
+    _dense(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}; use .to(torch.int32)")
     if cu.dim() != 1 or cu.numel() < 1:
@@ -196,9 +204,7 @@ def check_options(q, sinks, softmax_scale, causal, window_size, return_lse) -> N
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
             raise TypeError(f"sinks must be a torch.Tensor [HQ] or None, got {_type_name(sinks)}")
-        if sinks.layout != torch.strided:
-            raise TypeError(f"sinks must be a dense (strided) tensor, got layout {sinks.layout}; "
-                            f"call sinks.to_dense()")
+        _dense("sinks", sinks)
         if not sinks.dtype.is_floating_point:
             raise TypeError(f"sinks must have a floating-point dtype, got {sinks.dtype}")
         if tuple(sinks.shape) != (HQ,):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import backends, defaults, masks, validation
+from .. import autodiff, backends, defaults, masks, validation
 from . import group as groups
 from . import ring, ulysses
 from .layout import LAYOUTS, check_layout, check_lengths, lengths_of
@@ -60,9 +60,11 @@ def _shown(name: str, value: float) -> str:
 def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method, layout,
              backend):
     """Checks on this rank, then the agreement of all ranks; returns what the methods need."""
+    autodiff.refuse_transforms()   # no collective runs inside one; a transform wraps the call on every rank
     g = groups.resolve(group)
     facts, error, ready = None, None, None
     try:
+        autodiff.refuse_forward_ad(q, k, v, sinks)
         _check_method(method)
         check_layout(layout)
         validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)

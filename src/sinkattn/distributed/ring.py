@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .. import backends, masks, sink
+from .. import autodiff, backends, masks, sink
 from .group import Exchange, Group
 from .layout import chunk_ids, chunks_per_sequence
 
@@ -161,8 +160,8 @@ class _Ring(torch.autograd.Function):
         return o.to(q.dtype), lse_f
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout, dlse):
+        autodiff.refuse_double_backward()       # the same on every rank: before any communication
         q, k, v, sinks, o, lse = ctx.saved_tensors
         group, plans, scale, backend = ctx.setup
         impl = backends.load(backend)

@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -59,7 +60,8 @@ CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
           CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5)]
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
-          "options differ", "methods differ", "packing differs", "device on the last rank", "shard not divisible")
+          "options differ", "methods differ", "packing differs", "device on the last rank", "shard not divisible",
+          "double backward ring", "double backward ulysses", "forward-mode AD", "torch.func.jvp")
 
 
 def inputs(case: CPCase, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -140,6 +142,17 @@ def _error_case(which: str, rank: int, P: int, cp):
             q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
         elif which == "shard not divisible":
             cp.shard(torch.randn(2, 4 * P + 1, 3), 1, layout="contiguous")
+            return None
+        elif which.startswith("double backward"):
+            out = cp.sink_attn_func(q.requires_grad_(), k, v, method=which.split()[-1], **kw)
+            torch.autograd.grad(out.square().sum(), q, create_graph=True)
+            return None
+        elif which == "forward-mode AD":
+            with forward_ad.dual_level():
+                cp.sink_attn_func(q, k, forward_ad.make_dual(v, torch.ones_like(v)), **kw)
+            return None
+        elif which == "torch.func.jvp":
+            torch.func.jvp(lambda q: cp.sink_attn_func(q, k, v, **kw), (q,), (torch.ones_like(q),))
             return None
         cp.sink_attn_func(q, k, v, **kw)
     except Exception as exc:      # noqa: BLE001 - the test inspects whatever was raised

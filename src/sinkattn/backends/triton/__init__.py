@@ -90,12 +90,14 @@ def _sinks_or_minus_inf(sinks, HQ, device):
     return sinks.float().contiguous()
 
 
-def _max_lens(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen) -> tuple[int, int]:
-    """The longest query and key sequence, at least 1: from ``max_seqlen`` when given, else read from
-    ``cu_seqlens`` (a copy to the host)."""
+def _max_lens(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+              max_seqlen) -> tuple[int, int]:
+    """Bounds of the longest query and key sequence, which size the launch grids: from ``max_seqlen``
+    when given (a loose bound is capped at the token count, so the grid never outgrows the batch),
+    else read from ``cu_seqlens`` (a copy to the host); at least 1."""
     if max_seqlen is None:
         max_seqlen = [int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0 for cu in (cu_seqlens_q, cu_seqlens_k)]
-    return max(int(max_seqlen[0]), 1), max(int(max_seqlen[1]), 1)
+    return max(min(int(max_seqlen[0]), q.shape[0]), 1), max(min(int(max_seqlen[1]), k.shape[0]), 1)
 
 
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
@@ -111,7 +113,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
     log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
     b = blocks_for(q.device, D, backward=False)
-    grid = (triton.cdiv(_max_lens(cu_seqlens_q, cu_seqlens_k, max_seqlen)[0], b.BM), N, HKV)
+    grid = (triton.cdiv(_max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)[0], b.BM), N, HKV)
     if N > 0 and Tq > 0:
         kernels.fwd_kernel[grid](
             q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
@@ -155,7 +157,7 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
                do.stride(0), do.stride(1), delta.stride(0))
     scales = (softmax_scale * kernels.LOG2E, softmax_scale, left, right, D)
     Tk = k.shape[0]
-    max_q, max_k = _max_lens(cu_seqlens_q, cu_seqlens_k, max_seqlen)
+    max_q, max_k = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)
     if N > 0 and Tq > 0:     # first: with exact_delta it writes the Delta that dK/dV reads
         kernels.dq_kernel[(triton.cdiv(max_q, b.BM), N, HQ)](
             q, k, v, do, m2, log2_l, dlse if dlse is not None else delta, delta, dq, cu_seqlens_q, cu_seqlens_k,
