@@ -128,7 +128,8 @@ def main(argv=None) -> dict:
                   peak_growth_vs_eager=_ratio(ours["peak_growth_mib"], eager["peak_growth_mib"]))
     tokens = 4 * long_
     eager_scores_gib = MODEL["num_attention_heads"] * tokens * tokens * 4 / 2**30
-    info = bench.header()
+    import transformers
+    info = bench.header() | {"transformers": transformers.__version__}
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
     print(f"model: {MODEL}, fp32, one packed row, fwd+bwd incl. loss; medians of {repeats} steps")
     for r in rows:

@@ -8,8 +8,10 @@ Everything is made here, nothing is downloaded: a small random gpt-oss (2 layers
 64 then full attention, 4 experts) from a GptOssConfig, a text set generated from a few sentence
 templates, byte-level token ids (no tokenizer). Each optimizer step packs several documents into one
 row with ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``; sinkattn keeps them apart
-(``cu_seq_lens_q/k``), eager would not. On the 2-core CPU: 60 steps took 2.8 s on a quiet machine, the
-default 100 steps 65 s while other jobs loaded it (74 s in all); on CUDA the triton backend runs.
+(``cu_seq_lens_q/k``), eager would not. On the 2-core CPU the default 100 steps took 7-8.5 s of training
+(14 s with start-up) on a quiet machine, and 87 s while other jobs loaded it; on CUDA the triton backend
+runs. The final loss differs a little from run to run (0.56-0.62): transformers' gpt-oss expert-bias
+gradients are not bitwise repeatable on CPU (with eager attention too); the attention's are.
 """
 
 from __future__ import annotations
