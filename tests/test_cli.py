@@ -128,6 +128,8 @@ MORE_BAD_VALUES = [   # the same checks, more of their branches, in this process
     (["verify", "--level", "L9"], "--level"),
     (["--out", "{out}/o", "verify"], "--out"),
     (["--out", "{out}/a-file"], "--out"),
+    (["bench", "--config", "gpu-default", "--device", "cpu"], "--config"),
+    (["bench", "--config", "gpu-targets", "--device", "cpu"], "--config"),
 ]
 
 

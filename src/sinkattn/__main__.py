@@ -177,6 +177,10 @@ def _memory_bytes(device: str) -> int:
 def check_bench(ap, args) -> None:
     """Everything ``bench`` needs, settled before any work: device, problems, that sinkattn can take them."""
     args.device = args.device or options.default_device()
+    if args.config and args.config.startswith("gpu-") and args.device != "cuda":
+        cpu_configs = ", ".join(c for c in sorted(bench.CONFIGS) if c.startswith("cpu-"))
+        ap.error(f"argument --config: {args.config} is sized for a GPU (its largest problem would run for a long "
+                 f"time without output on the {args.device}); use {cpu_configs} or --shape")
     if args.causal and args.window is not None and args.window[1] > 0:
         ap.error(f"argument --window: right = {args.window[1]} needs --no-causal (bench runs causal attention, "
                  f"whose right side is 0)")
