@@ -82,8 +82,8 @@ def agree(group: Group, facts: dict[str, float] | None, error: Exception | None,
             name = names[i - 2]
             raise ValueError(f"sinkattn.distributed: ranks disagree on {name}: rank 0 has "
                              f"{show(name, rows[0][i].item())}, rank {r} has {show(name, rows[r][i].item())}; "
-                             f"every rank of the group "
-                             f"must pass its shard of one call (same shapes, dtype, options and packing)")
+                             f"every rank of the group must pass its shard of one call (same shapes, dtype, "
+                             f"options and packing)")
 
 
 class Exchange:
