@@ -1,15 +1,21 @@
 """``backend="cpu"``: sink attention on CPU tensors, in fp32 for every input dtype.
 
-Two paths compute the softmax over keys; the sink is added around them here
-(``sinkattn.sink``):
+Three paths compute the softmax over keys; the sink is added around them here
+(``sinkattn.sink``). Each call's sequences are split between them
+(``layout.split``):
 
+* ``cpu_small`` takes the sequences with few scores (decoding: few queries;
+  short sequences), many per batch, scores materialized.
 * ``cpu_fused`` drives PyTorch's fused flash-attention CPU kernel, tile by tile
-  under the mask. The fast path.
+  under the mask, one run of equal-length sequences per call. The fast path
+  for the others.
 * ``cpu_slab`` computes blocks of rows against their visible keys with plain
   matrix products, recomputing scores bitwise and summing ``Delta`` from the
-  same ``P`` and ``dP``. Taken when scores may be large enough
+  same ``P`` and ``dP``. Takes the others' place when scores may be large enough
   (``scores.score_bound``) for the fused kernel's recomputation and
-  ``Delta = <dO, o>`` to lose the exact cancellation of peaked rows.
+  ``Delta = <dO, o>`` to lose the exact cancellation of peaked rows, and when
+  ``k`` or ``v`` hold NaN or inf (``nonfinite``: they reach the rows that see
+  their key only, which the fused kernel's tiles do not ensure).
 
 fp16 / bf16 inputs are cast up once (the fp32 kernel is also far faster than
 the bf16 one on CPUs without bf16 matrix units); results are cast by the
@@ -22,11 +28,11 @@ from __future__ import annotations
 import torch
 
 from .. import sink
-from . import cpu_fused, cpu_slab
+from . import buffers, cpu_fused, cpu_slab, cpu_small, layout, nonfinite
 from .capabilities import Capabilities, Saved
 from .scores import LARGE_SCORE, check_fp32_range, score_bound
 
-__all__ = ["CAPABILITIES", "forward", "backward", "path_for"]
+__all__ = ["CAPABILITIES", "forward", "backward", "path_for", "split"]
 
 CAPABILITIES = Capabilities(
     name="cpu",
@@ -38,20 +44,45 @@ CAPABILITIES = Capabilities(
 
 
 def path_for(q32: torch.Tensor, k32: torch.Tensor, softmax_scale: float):
-    """The path module for these inputs: ``cpu_slab`` when scores may be large, or when
-    ``softmax_scale <= 0`` (the fused kernel scales after its causal mask: ``-inf * 0`` is NaN);
-    ValueError when the scores may not fit fp32."""
+    """The path module for these inputs' long sequences: ``cpu_slab`` when scores may be large or
+    ``k`` is not finite, or when ``softmax_scale <= 0`` (the fused kernel scales after its causal
+    mask: ``-inf * 0`` is NaN); ValueError when the scores may not fit fp32."""
     bound = score_bound(q32, k32, softmax_scale)
     check_fp32_range(bound, q32, k32)
     return cpu_slab if softmax_scale <= 0 or bound > LARGE_SCORE else cpu_fused
+
+
+def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> layout.Split:
+    """The call's sequences by path: ``cpu_small`` for those it ``takes``, the others in runs."""
+    return layout.split(cu_seqlens_q, cu_seqlens_k, lambda Lq, Lk: cpu_small.takes(Lq, Lk, HQ))
+
+
+def _literal(k32: torch.Tensor, v32: torch.Tensor) -> bool:
+    """NaN or inf in ``k`` or ``v``: the call takes the paths that keep them to the rows that see them."""
+    return nonfinite.present(k32, v32)
 
 
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None
     -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32, (took_slab_path,))``."""
     q32, k32, v32 = q.float(), k.float(), v.float()
+    Tq, HQ, D = q.shape
     path = path_for(q32, k32, softmax_scale)
-    out, lse_keys = path.forward(q32, k32, v32, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+    literal = _literal(k32, v32)
+    if literal:
+        path = cpu_slab
+    parts = split(cu_seqlens_q, cu_seqlens_k, HQ)
+    single = cpu_fused.single_call(parts, left, right) if path is cpu_fused else None
+    if single is not None:
+        out, lse_keys = cpu_fused.forward_single(q32, k32, v32, single, softmax_scale)
+    else:
+        out = buffers.new((Tq, HQ, D), torch.float32, q.device)
+        lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
+        if path is cpu_slab:
+            cpu_slab.forward(q32, k32, v32, parts.runs, out, lse_keys, softmax_scale, left, right, literal)
+        else:
+            cpu_fused.forward(q32, k32, v32, parts.runs, out, lse_keys, softmax_scale, left, right)
+        cpu_small.forward(q32, k32, v32, parts.small, out, lse_keys, softmax_scale, left, right, literal)
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).t()[..., None]
     return out, lse, (torch.tensor(path is cpu_slab),)
@@ -64,12 +95,26 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     forward's ``(took_slab_path,)``: the backward takes the path the forward took."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
     (took_slab_path,) = extra
-    if bool(took_slab_path):
-        dq, dk, dv = cpu_slab.backward(do32, dlse, q32, k32, v32, sinks, cu_seqlens_q, cu_seqlens_k,
-                                       softmax_scale, left, right)
+    literal = bool(took_slab_path) and _literal(k32, v32)
+    parts = split(cu_seqlens_q, cu_seqlens_k, q.shape[1])
+    single = cpu_fused.single_call(parts, left, right) if not bool(took_slab_path) else None
+    if single is not None:
+        dq, dk, dv = cpu_fused.backward_single(do32, dlse, q32, k32, v32, out, lse, single, softmax_scale)
     else:
-        dq, dk, dv = cpu_fused.backward(do32, dlse, q32, k32, v32, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                        softmax_scale, left, right)
+        dq = buffers.new(q.shape, torch.float32, q.device)
+        dk = buffers.new(k.shape, torch.float32, q.device)
+        dv = buffers.new(v.shape, torch.float32, q.device)
+        if bool(took_slab_path):
+            cpu_slab.backward(do32, dlse, q32, k32, v32, sinks, parts.runs, dq, dk, dv, softmax_scale, left, right,
+                              literal)
+        else:
+            cpu_fused.backward(do32, dlse, q32, k32, v32, out, lse, parts.runs, dq, dk, dv, softmax_scale, left,
+                               right)
+        cpu_small.backward(do32, dlse, q32, k32, v32, sinks, parts.small, dq, dk, dv, softmax_scale, left, right,
+                           literal)
+        for tk, Lk in parts.keys_only:
+            dk[tk:tk + Lk] = 0.0
+            dv[tk:tk + Lk] = 0.0
     dsinks = None
     if sinks is not None:
         dsinks = sink.dsinks_from(sinks, lse, sink.row_delta(do32, out, dlse))

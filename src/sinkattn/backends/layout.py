@@ -1,36 +1,85 @@
-"""Views and bookkeeping shared by the CPU paths: sequences grouped by length, heads-first views
-of the packed layout, and the written span of an axis whose parts arrive in order."""
+"""Views and bookkeeping shared by the CPU paths: the call's sequences split between the paths,
+heads-first views of the packed layout, and the written span of an axis whose parts arrive in order."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-__all__ = ["groups", "group_views", "heads_first", "stat_view", "Span", "write", "zero_unwritten"]
+__all__ = ["Run", "Split", "split", "group_views", "heads_first", "stat_view", "Span", "write", "zero_unwritten"]
 
 
-def groups(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
-    """Yield ``(t_q, t_k, N, Lq, Lk)``: runs of N sequences that share their lengths.
+@dataclass(frozen=True)
+class Run:
+    """``n`` consecutive sequences of ``Lq`` queries and ``Lk`` keys: query tokens ``[tq, tq + n*Lq)``,
+    key tokens ``[tk, tk + n*Lk)``."""
 
-    A dense batch is one run; other packed batches go one sequence at a time.
+    tq: int
+    tk: int
+    n: int
+    Lq: int
+    Lk: int
+
+
+@dataclass
+class Split:
+    """A call's sequences by the path that takes them.
+
+    ``runs``: for the per-sequence paths, consecutive sequences of equal lengths batched into one
+    ``Run``. ``small``: for the batched small path (``cpu_small``), one ``Run`` per sequence, or the
+    one ``Run`` of a batch whose sequences all share their lengths. ``keys_only``: ``(tk, Lk)`` of
+    sequences without queries, whose keys no row sees (zero gradients). Sequences without queries
+    or keys need nothing and are not listed.
     """
+
+    runs: list[Run] = field(default_factory=list)
+    small: list[Run] = field(default_factory=list)
+    keys_only: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def single(self) -> Run | None:
+        """The one run covering the whole call, or None."""
+        if len(self.runs) == 1 and not self.small and not self.keys_only and self.runs[0].tq == self.runs[0].tk == 0:
+            return self.runs[0]
+        return None
+
+
+def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, small=None) -> Split:
+    """The sequences of ``cu_seqlens_* [N+1]`` split by path; ``small(Lq, Lk) -> bool`` picks those
+    of the batched small path (None: no sequence)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     n = len(cq) - 1
-    lq = {cq[b + 1] - cq[b] for b in range(n)}
-    lk = {ck[b + 1] - ck[b] for b in range(n)}
-    if n > 0 and len(lq) == 1 and len(lk) == 1:
-        yield 0, 0, n, lq.pop(), lk.pop()
-        return
-    for b in range(n):
-        yield cq[b], ck[b], 1, cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+    lengths = [(cq[b + 1] - cq[b], ck[b + 1] - ck[b]) for b in range(n)]
+    out = Split()
+    if n > 0 and lengths.count(lengths[0]) == n and lengths[0][0] > 0:     # a dense batch: one run
+        run = Run(0, 0, n, *lengths[0])
+        (out.small if small is not None and small(*lengths[0]) else out.runs).append(run)
+        return out
+    for b, (Lq, Lk) in enumerate(lengths):
+        if Lq == 0:
+            if Lk > 0:
+                out.keys_only.append((ck[b], Lk))
+        elif small is not None and small(Lq, Lk):
+            out.small.append(Run(cq[b], ck[b], 1, Lq, Lk))
+        else:
+            last = out.runs[-1] if out.runs else None
+            if last is not None and (last.Lq, last.Lk) == (Lq, Lk) and last.tq + last.n * Lq == cq[b] and (
+                    last.tk + last.n * Lk == ck[b]):
+                out.runs[-1] = Run(last.tq, last.tk, last.n + 1, Lq, Lk)
+            else:
+                out.runs.append(Run(cq[b], ck[b], 1, Lq, Lk))
+    return out
 
 
-def group_views(cu_seqlens_q, cu_seqlens_k, queries=(), keys=(), stats=()):
-    """Per run of ``groups``: ``(n, Lq, Lk, query_views, key_views, stat_views)``, the heads-first
-    views ``[N, H, L, D]`` of the query-side and key-side ``[T, H, D]`` tensors and ``[N, H, Lq]``
-    views of the ``[H, Tq]`` statistics (None stays None)."""
-    for tq, tk, n, Lq, Lk in groups(cu_seqlens_q, cu_seqlens_k):
-        yield (n, Lq, Lk, [heads_first(x, tq, n, Lq) for x in queries], [heads_first(x, tk, n, Lk) for x in keys],
-               [None if s is None else stat_view(s, tq, n, Lq) for s in stats])
+def group_views(runs, queries=(), keys=(), stats=()):
+    """Per ``Run``: ``(n, Lq, Lk, query_views, key_views, stat_views)``, the heads-first views
+    ``[N, H, L, D]`` of the query-side and key-side ``[T, H, D]`` tensors and ``[N, H, Lq]`` views of
+    the ``[H, Tq]`` statistics (None stays None)."""
+    for r in runs:
+        yield (r.n, r.Lq, r.Lk, [heads_first(x, r.tq, r.n, r.Lq) for x in queries],
+               [heads_first(x, r.tk, r.n, r.Lk) for x in keys],
+               [None if s is None else stat_view(s, r.tq, r.n, r.Lq) for s in stats])
 
 
 def heads_first(x: torch.Tensor, t0: int, n: int, length: int) -> torch.Tensor:
