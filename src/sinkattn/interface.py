@@ -23,11 +23,13 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
     name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
     left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, max_seqlen_q,
                                          max_seqlen_k)
-    out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
-                                   sinks.contiguous() if sinks is not None else None,
-                                   cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-                                   defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name,
-                                   check_cu_seqlens)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), sinks.contiguous() if sinks is not None else None,
+            cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+            defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name, check_cu_seqlens)
+    if not needs_grad and ops.is_plain_eager(*args[:6]):     # the op's body without its dispatch
+        out_acc, lse, *_ = ops.forward_eager(*args, inputs_contiguous=True)
+    else:
+        out_acc, lse, *_ = ops.forward(*args)
     return out_acc.to(q.dtype), lse
 
 
@@ -78,7 +80,7 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     Sk, HKV = k.shape[1], k.shape[2]
     steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
-                    steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
-                    check_cu_seqlens=False)
+                    steps if Sq == 1 else steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size,
+                    backend, check_cu_seqlens=False)
     out = out.view(B, Sq, HQ, D)
     return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if validation.as_bool("return_lse", return_lse) else out

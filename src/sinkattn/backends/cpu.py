@@ -43,6 +43,10 @@ CAPABILITIES = Capabilities(
 )
 
 
+_TOOK_SLAB_PATH = {flag: torch.tensor(flag) for flag in (False, True)}
+"""The forward's saved flag, one read-only tensor per value (a new one would cost a call's worth of decoding)."""
+
+
 def path_for(q32: torch.Tensor, k32: torch.Tensor, softmax_scale: float):
     """The path module for these inputs' long sequences: ``cpu_slab`` when scores may be large or
     ``k`` is not finite, or when ``softmax_scale <= 0`` (the fused kernel scales after its causal
@@ -57,8 +61,13 @@ def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> la
     return layout.split(cu_seqlens_q, cu_seqlens_k, lambda Lq, Lk: cpu_small.takes(Lq, Lk, HQ))
 
 
-def _literal(k32: torch.Tensor, v32: torch.Tensor) -> bool:
-    """NaN or inf in ``k`` or ``v``: the call takes the paths that keep them to the rows that see them."""
+def _literal(parts: layout.Split, k32: torch.Tensor, v32: torch.Tensor, left: int, right: int) -> bool:
+    """NaN or inf in ``k`` or ``v``, where some row does not see some key of a product: the call then
+    takes the paths that keep them to the rows that see them (``nonfinite``). A call whose rows all
+    see the same keys (``cpu_fused.single_call``: decoding, full attention) needs no check: each of
+    its products is one of the formula's."""
+    if cpu_fused.single_call(parts, left, right) is not None:
+        return False
     return nonfinite.present(k32, v32)
 
 
@@ -67,11 +76,15 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32, (took_slab_path,))``."""
     q32, k32, v32 = q.float(), k.float(), v.float()
     Tq, HQ, D = q.shape
+    parts = split(cu_seqlens_q, cu_seqlens_k, HQ)
     path = path_for(q32, k32, softmax_scale)
-    literal = _literal(k32, v32)
+    literal = _literal(parts, k32, v32, left, right)
     if literal:
         path = cpu_slab
-    parts = split(cu_seqlens_q, cu_seqlens_k, HQ)
+    took_slab_path = _TOOK_SLAB_PATH[path is cpu_slab]
+    if not parts.runs:                 # the small path alone: the sink joins its softmax
+        out, lse = cpu_small.forward(q32, k32, v32, parts.small, softmax_scale, left, right, literal, sinks)
+        return out, lse, (took_slab_path,)
     single = cpu_fused.single_call(parts, left, right) if path is cpu_fused else None
     if single is not None:
         out, lse_keys = cpu_fused.forward_single(q32, k32, v32, single, softmax_scale)
@@ -82,10 +95,10 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
             cpu_slab.forward(q32, k32, v32, parts.runs, out, lse_keys, softmax_scale, left, right, literal)
         else:
             cpu_fused.forward(q32, k32, v32, parts.runs, out, lse_keys, softmax_scale, left, right)
-        cpu_small.forward(q32, k32, v32, parts.small, out, lse_keys, softmax_scale, left, right, literal)
+        cpu_small.forward(q32, k32, v32, parts.small, softmax_scale, left, right, literal, out=out, lse=lse_keys)
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).t()[..., None]
-    return out, lse, (torch.tensor(path is cpu_slab),)
+    return out, lse, (took_slab_path,)
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
@@ -95,9 +108,9 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     forward's ``(took_slab_path,)``: the backward takes the path the forward took."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
     (took_slab_path,) = extra
-    literal = bool(took_slab_path) and _literal(k32, v32)
     parts = split(cu_seqlens_q, cu_seqlens_k, q.shape[1])
-    single = cpu_fused.single_call(parts, left, right) if not bool(took_slab_path) else None
+    literal = bool(took_slab_path) and _literal(parts, k32, v32, left, right)
+    single = cpu_fused.single_call(parts, left, right, all_keys=True) if not bool(took_slab_path) else None
     if single is not None:
         dq, dk, dv = cpu_fused.backward_single(do32, dlse, q32, k32, v32, out, lse, single, softmax_scale)
     else:
@@ -112,9 +125,10 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
                                right)
         cpu_small.backward(do32, dlse, q32, k32, v32, sinks, parts.small, dq, dk, dv, softmax_scale, left, right,
                            literal)
-        for tk, Lk in parts.keys_only:
-            dk[tk:tk + Lk] = 0.0
-            dv[tk:tk + Lk] = 0.0
+        if parts.keys_only is not None:        # keys of sequences without queries: no row sees them
+            unseen = layout.token_ranges(parts.keys_only.tk, parts.keys_only.Lk)
+            dk.index_fill_(0, unseen, 0.0)
+            dv.index_fill_(0, unseen, 0.0)
     dsinks = None
     if sinks is not None:
         dsinks = sink.dsinks_from(sinks, lse, sink.row_delta(do32, out, dlse))

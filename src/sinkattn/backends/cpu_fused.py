@@ -163,15 +163,17 @@ def _merge(og, lg, o_p, lse_p, start: int, fresh: slice, seen: slice) -> None:
         lg[:, :, seen] = lse_new
 
 
-def single_call(split, left: int, right: int) -> tuple[Run, Part] | None:
+def single_call(split, left: int, right: int, all_keys: bool = False) -> tuple[Run, Part] | None:
     """``(run, part)`` when one kernel call covers the whole batch (``split.single``: a dense batch or
-    one sequence, with full or square causal attention), else None."""
+    one sequence) without a mask: every row against the keys ``[part.k0, part.k1)`` (full or square
+    causal attention, or a window that every row sees whole, as in decoding), else None.
+    ``all_keys``: only a call that also covers every key."""
     run = split.single
     if run is None:
         return None
     parts = plan(run.Lq, run.Lk, left, right)
-    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1, parts[0].k0, parts[0].k1) != (
-            0, run.Lq, 0, run.Lk):
+    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1) != (0, run.Lq) or (
+            all_keys and (parts[0].k0, parts[0].k1) != (0, run.Lk)):
         return None
     return run, parts[0]
 
@@ -221,8 +223,10 @@ def forward_single(q, k, v, single, softmax_scale):
     in the kernel's own result buffers, no copy."""
     (run, part), (Tq, HQ) = single, q.shape[:2]
     n, Lq, Lk = run.n, run.Lq, run.Lk
-    o, lse = _FWD(heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk), heads_first(v, 0, n, Lk), 0.0,
-                  part.causal, scale=softmax_scale)
+    k, v = heads_first(k, 0, n, Lk), heads_first(v, 0, n, Lk)
+    if (part.k0, part.k1) != (0, Lk):
+        k, v = k[:, :, part.k0:part.k1], v[:, :, part.k0:part.k1]
+    o, lse = _FWD(heads_first(q, 0, n, Lq), k, v, 0.0, part.causal, scale=softmax_scale)
     return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
 
 

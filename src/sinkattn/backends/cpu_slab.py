@@ -27,7 +27,8 @@ from .. import masks
 from .layout import Span, group_views, write, zero_unwritten
 from .nonfinite import visible_matmul
 
-__all__ = ["forward", "backward", "block_forward", "block_backward", "stack_group", "unstack_group", "SLAB_ELEMENTS"]
+__all__ = ["forward", "backward", "block_forward", "block_backward", "stack_group", "unstack_group", "sink_rows",
+           "SLAB_ELEMENTS"]
 
 SLAB_ELEMENTS = 1 << 22
 """Scores per block (fp32: 16 MiB), which sets the number of rows per block."""
@@ -67,28 +68,46 @@ def _scores(qs, kb, mask, softmax_scale: float) -> torch.Tensor:
 def _exp_shifted(s: torch.Tensor, sink_rows: torch.Tensor | None):
     """``(E, m)`` with ``E = exp(S - m)``, ``m`` the row max joined by the sink, kept finite.
 
-    ``sink_rows [N, HKV, G*R, 1]`` or None. A ``+inf`` sink shifts by the key max instead,
-    a row without keys (and sink) by 0, so ``E`` never holds ``inf - inf``.
+    ``sink_rows [N, HKV, G*R, 1]`` or None. A ``+inf`` sink does not join the max (it shifts by the
+    key max), and a non-finite ``m`` (a row without keys or finite sink, a NaN) becomes 0, so ``E``
+    never holds ``inf - inf``.
     """
-    row_max = s.amax(-1, keepdim=True)
-    m = row_max if sink_rows is None else torch.maximum(row_max, sink_rows)
-    m = torch.where(torch.isfinite(m), m, row_max.masked_fill(~torch.isfinite(row_max), 0.0))
+    m = s.amax(-1, keepdim=True)
+    if sink_rows is not None:
+        m = torch.maximum(m, sink_rows.masked_fill(sink_rows == float("inf"), _NEG_INF))
+    m = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
     return torch.exp(s - m), m
 
 
-def block_forward(qs, kb, vb, mask, softmax_scale: float, literal: bool = False):
-    """Rows against their keys, scores materialized: ``(o_keys [N, HKV, G*R, D], lse_keys [N, HKV, G*R])``.
+def sink_rows(sinks: torch.Tensor | None, HKV: int, R: int) -> torch.Tensor | None:
+    """``sinks [HQ]`` -> fp32 ``[1, HKV, G*R, 1]``: each stacked row's sink (``stack_group`` order)."""
+    if sinks is None:
+        return None
+    G = sinks.shape[0] // HKV
+    rows = sinks.float().view(1, HKV, G, 1)
+    return rows if R == 1 else rows[..., None].expand(1, HKV, G, R, 1).reshape(1, HKV, G * R, 1)
+
+
+def _denominator(e: torch.Tensor, m: torch.Tensor, sink_rows: torch.Tensor | None) -> torch.Tensor:
+    """``Z = exp(sink - m) + sum_j E`` (no sink term without sinks): 0 for a row without keys or sink,
+    else at least 1 (the row's maximum, key or sink, contributes ``exp(0)``), or inf / NaN."""
+    z = e.sum(-1, keepdim=True)
+    return z if sink_rows is None else z + torch.exp(sink_rows - m)
+
+
+def block_forward(qs, kb, vb, mask, softmax_scale: float, literal: bool = False, sink_rows=None):
+    """Rows against their keys, scores materialized: ``(o [N, HKV, G*R, D], lse [N, HKV, G*R])``.
 
     ``qs [N, HKV, G*R, D]`` (the group's heads stacked, ``stack_group``), ``kb``/``vb [N, HKV, K, D]``,
-    ``mask`` bool broadcastable to ``[N, HKV, G*R, K]`` or None (all visible); softmax over the
-    visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none). ``literal``: ``vb`` may
+    ``mask`` bool broadcastable to ``[N, HKV, G*R, K]`` or None (all visible). Without ``sink_rows``
+    the softmax over the visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none);
+    with them (``sink_rows``) the sink joins it and ``o``, ``lse`` are final. ``literal``: ``vb`` may
     hold NaN / inf, which then reach the rows that see their key only (``nonfinite``).
     """
     s = _scores(qs, kb, mask, softmax_scale)
-    e, m = _exp_shifted(s, None)
-    z = e.sum(-1, keepdim=True)                           # 0 on rows without keys
-    o = (visible_matmul(e, vb, mask) if literal else torch.matmul(e, vb)) / z
-    o = o.masked_fill(z == 0, 0.0)
+    e, m = _exp_shifted(s, sink_rows)
+    z = _denominator(e, m, sink_rows)
+    o = (visible_matmul(e, vb, mask) if literal else torch.matmul(e, vb)).div_(z.clamp(min=1.0))   # 0 / 1: no key
     return o, (m + torch.log(z)).squeeze(-1)
 
 
@@ -103,10 +122,7 @@ def block_backward(qs, kb, vb, dos, dl, sink_rows, mask, softmax_scale: float, l
     """
     s = _scores(qs, kb, mask, softmax_scale)                              # [N, HKV, G*R, K]
     e, m = _exp_shifted(s, sink_rows)
-    z = e.sum(-1, keepdim=True)
-    if sink_rows is not None:
-        z = z + torch.exp(sink_rows - m)
-    p = (e / z).masked_fill_(z == 0, 0.0)
+    p = e / _denominator(e, m, sink_rows).clamp(min=1.0)                  # 0 / 1 on rows without keys
     dp = torch.matmul(dos, vb.transpose(-1, -2))
     guard = literal and mask is not None
     if guard:
@@ -145,22 +161,16 @@ def backward(do, dlse, q, k, v, sinks, runs, dq, dk, dv, softmax_scale, left, ri
     ``dlse [HQ, Tq]`` or None, ``sinks [HQ]`` or None."""
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
-    sink_rows = None
-    if sinks is not None:   # [HQ] -> [1, HKV, G, 1, 1], broadcast over the R rows of a block
-        sink_rows = sinks.float().view(1, HKV, G, 1, 1)
     dlse = dlse.float() if dlse is not None else None
     for n, Lq, Lk, (qg, dog, dqg), (kg, vg, dkg, dvg), (dlg,) in group_views(
             runs, (q, do, dq), (k, v, dk, dv), (dlse,)):
         rows_done, keys_done = Span(), Span()
         for r0, r1, k0, k1, vis in _blocks(n, HQ, Lq, Lk, left, right):
-            sink_b = None
-            if sink_rows is not None:
-                sink_b = sink_rows.expand(n, HKV, G, r1 - r0, 1).reshape(n, HKV, G * (r1 - r0), 1)
             dl = stack_group(dlg[:, :, r0:r1, None], HKV) if dlg is not None else None
             mask = None if vis is None else vis.repeat(G, 1)
             dq_s, dk_b, dv_b = block_backward(stack_group(qg[:, :, r0:r1], HKV), kg[:, :, k0:k1], vg[:, :, k0:k1],
-                                              stack_group(dog[:, :, r0:r1], HKV), dl, sink_b, mask, softmax_scale,
-                                              literal)
+                                              stack_group(dog[:, :, r0:r1], HKV), dl, sink_rows(sinks, HKV, r1 - r0),
+                                              mask, softmax_scale, literal)
             fresh, _ = rows_done.take(r0, r1)
             dqg[:, :, fresh] = unstack_group(dq_s, HQ)
             fresh, seen = keys_done.take(k0, k1)

@@ -26,7 +26,8 @@ def score_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float
     not finite, 0 without tokens). ``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    bound = abs(softmax_scale) * float(q.float().norm(dim=-1).max()) * float(k.float().norm(dim=-1).max())
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).max() for x in (q, k)]
+    bound = abs(softmax_scale) * float(norms[0]) * float(norms[1])
     return bound if bound == bound else math.inf
 
 
