@@ -30,9 +30,9 @@ import torch
 from .. import sink
 from . import buffers, cpu_fused, cpu_slab, cpu_small, layout, nonfinite
 from .capabilities import Capabilities, Saved
-from .scores import LARGE_SCORE, check_fp32_range, score_bound
+from .scores import LARGE_SCORE, MAX_SCORE, check_fp32_range, loose_bound, score_bound
 
-__all__ = ["CAPABILITIES", "forward", "backward", "path_for", "split"]
+__all__ = ["CAPABILITIES", "forward", "forward_dense", "backward", "path_for", "split"]
 
 CAPABILITIES = Capabilities(
     name="cpu",
@@ -99,6 +99,31 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).t()[..., None]
     return out, lse, (took_slab_path,)
+
+
+def forward_dense(q, k, v, sinks, softmax_scale, left, right):
+    """Inference on a dense batch as it is (any strides), when one unmasked kernel call computes it
+    (decoding, full attention: ``cpu_fused.single_call``) and ``q``, ``k`` are finite with scores well
+    inside fp32 (``loose_bound``): ``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]``
+    -> ``(out [B, Sq, HQ, D] fp32, lse [B, HQ, Sq] fp32)``; None for any other call (``forward`` takes it).
+    Nothing is kept for a backward, so the fused kernel serves large scores too (their hazard is the
+    fused backward's recomputation, ``path_for``); there its values may differ from ``forward``'s in the
+    last bits. Every row sees every key of the call, so NaN / inf in ``v`` stay in the formula's terms."""
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    part = cpu_fused.single_part(Sq, Sk, left, right) if B > 0 and softmax_scale > 0 else None
+    if part is None:
+        return None
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    if not loose_bound(q32, k32, softmax_scale) <= MAX_SCORE:      # q or k not finite, or scores may not fit fp32
+        return None
+    o, lse_keys = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
+                                                part, softmax_scale)
+    out = o.transpose(1, 2)
+    if sinks is None:
+        return out, lse_keys
+    lse = sink.lse_with_sink(lse_keys, sinks)
+    out *= sink.key_mass(lse_keys, lse).transpose(1, 2)[..., None]
+    return out, lse
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from .. import masks, sink
 from .layout import Run, Span, group_views, heads_first, stat_view, write, zero_unwritten
 
-__all__ = ["forward", "backward", "single_call", "forward_single", "backward_single", "plan", "BLOCK_M"]
+__all__ = ["forward", "backward", "single_call", "single_part", "forward_single", "forward_heads_first",
+           "backward_single", "plan", "BLOCK_M"]
 
 BLOCK_M = 64
 """Query rows per block on the windowed path."""
@@ -169,13 +170,18 @@ def single_call(split, left: int, right: int, all_keys: bool = False) -> tuple[R
     causal attention, or a window that every row sees whole, as in decoding), else None.
     ``all_keys``: only a call that also covers every key."""
     run = split.single
-    if run is None:
+    part = None if run is None else single_part(run.Lq, run.Lk, left, right)
+    if part is None or (all_keys and (part.k0, part.k1) != (0, run.Lk)):
         return None
-    parts = plan(run.Lq, run.Lk, left, right)
-    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1) != (0, run.Lq) or (
-            all_keys and (parts[0].k0, parts[0].k1) != (0, run.Lk)):
+    return run, part
+
+
+def single_part(Lq: int, Lk: int, left: int, right: int) -> Part | None:
+    """The one unmasked part that covers every row of a sequence, or None when the plan needs more."""
+    parts = plan(Lq, Lk, left, right)
+    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1) != (0, Lq):
         return None
-    return run, parts[0]
+    return parts[0]
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -218,15 +224,21 @@ def _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows: Span, keys
             _windows(dvg, i, part.k0 + j, c, w, R).add_(dv[:, :, j:j + w, :D])
 
 
+def forward_heads_first(qh, kh, vh, part, softmax_scale):
+    """One kernel call on heads-first views (any strides): ``qh [N, HQ, Lq, D]``, ``kh``/``vh [N, HKV, Lk, D]``
+    under ``single_call``'s ``part`` -> ``(o_keys [N, HQ, Lq, D], lse_keys [N, HQ, Lq])``, both laid out
+    tokens first (``[N, Lq, HQ, D]``, ``[N, Lq, HQ]``)."""
+    if (part.k0, part.k1) != (0, kh.shape[2]):
+        kh, vh = kh[:, :, part.k0:part.k1], vh[:, :, part.k0:part.k1]
+    return _FWD(qh, kh, vh, 0.0, part.causal, scale=softmax_scale)
+
+
 def forward_single(q, k, v, single, softmax_scale):
     """The whole batch in one kernel call (``single_call``): ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``
     in the kernel's own result buffers, no copy."""
     (run, part), (Tq, HQ) = single, q.shape[:2]
-    n, Lq, Lk = run.n, run.Lq, run.Lk
-    k, v = heads_first(k, 0, n, Lk), heads_first(v, 0, n, Lk)
-    if (part.k0, part.k1) != (0, Lk):
-        k, v = k[:, :, part.k0:part.k1], v[:, :, part.k0:part.k1]
-    o, lse = _FWD(heads_first(q, 0, n, Lq), k, v, 0.0, part.causal, scale=softmax_scale)
+    o, lse = forward_heads_first(heads_first(q, 0, run.n, run.Lq), heads_first(k, 0, run.n, run.Lk),
+                                 heads_first(v, 0, run.n, run.Lk), part, softmax_scale)
     return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
 
 

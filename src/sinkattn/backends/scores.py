@@ -14,7 +14,7 @@ import math
 
 import torch
 
-__all__ = ["LARGE_SCORE", "MAX_SCORE", "score_bound", "may_have_large_scores", "check_fp32_range"]
+__all__ = ["LARGE_SCORE", "MAX_SCORE", "score_bound", "may_have_large_scores", "check_fp32_range", "loose_bound"]
 
 LARGE_SCORE = 256.0
 MAX_SCORE = torch.finfo(torch.float32).max / (2 * math.log2(math.e))
@@ -43,3 +43,13 @@ def check_fp32_range(bound: float, q: torch.Tensor, k: torch.Tensor) -> None:
         return
     raise ValueError(f"scores softmax_scale * <q_i, k_j> may reach {bound:.3g}, beyond what fp32 holds "
                      f"({MAX_SCORE:.3g}); lower softmax_scale or the magnitude of q and k")
+
+
+
+def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
+    """``|scale| D max|q| max|k|``, at least ``score_bound`` (``|q_i| <= sqrt(D) max|q|``) and cheaper:
+    one reduction per tensor. Not finite when an input is not; 0 without tokens."""
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    largest = [float(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)) for x in (q, k)]
+    return abs(softmax_scale) * q.shape[-1] * largest[0] * largest[1]
