@@ -64,11 +64,14 @@ def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> la
 def _literal(parts: layout.Split, k32: torch.Tensor, v32: torch.Tensor, left: int, right: int) -> bool:
     """NaN or inf in ``k`` or ``v``, where some row does not see some key of a product: the call then
     takes the paths that keep them to the rows that see them (``nonfinite``). A call whose rows all
-    see the same keys (``cpu_fused.single_call``: decoding, full attention) needs no check: each of
-    its products is one of the formula's."""
-    if cpu_fused.single_call(parts, left, right) is not None:
-        return False
-    return nonfinite.present(k32, v32)
+    see the same keys (``_all_see_all``: decoding, full attention) needs no check: each of its
+    products is one of the formula's."""
+    return not _all_see_all(cpu_fused.single_call(parts, left, right)) and nonfinite.present(k32, v32)
+
+
+def _all_see_all(single) -> bool:
+    """One kernel call without a mask or a causal diagonal (``cpu_fused.single_call``'s result, or None)."""
+    return single is not None and not single[1].causal
 
 
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
@@ -82,7 +85,7 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     if literal:
         path = cpu_slab
     took_slab_path = _TOOK_SLAB_PATH[path is cpu_slab]
-    if not parts.runs:                 # the small path alone: the sink joins its softmax
+    if not parts.runs:
         out, lse = cpu_small.forward(q32, k32, v32, parts.small, softmax_scale, left, right, literal, sinks)
         return out, lse, (took_slab_path,)
     single = cpu_fused.single_call(parts, left, right) if path is cpu_fused else None
@@ -95,9 +98,11 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
             cpu_slab.forward(q32, k32, v32, parts.runs, out, lse_keys, softmax_scale, left, right, literal)
         else:
             cpu_fused.forward(q32, k32, v32, parts.runs, out, lse_keys, softmax_scale, left, right)
-        cpu_small.forward(q32, k32, v32, parts.small, softmax_scale, left, right, literal, out=out, lse=lse_keys)
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).t()[..., None]
+    # the small sequences' rows, final (sink in their softmax) whatever else the call holds; the merge
+    # above met them unwritten
+    cpu_small.forward(q32, k32, v32, parts.small, softmax_scale, left, right, literal, sinks, out=out, lse=lse)
     return out, lse, (took_slab_path,)
 
 
@@ -108,7 +113,8 @@ def forward_dense(q, k, v, sinks, softmax_scale, left, right):
     -> ``(out [B, Sq, HQ, D] fp32, lse [B, HQ, Sq] fp32)``; None for any other call (``forward`` takes it).
     Nothing is kept for a backward, so the fused kernel serves large scores too (their hazard is the
     fused backward's recomputation, ``path_for``); there its values may differ from ``forward``'s in the
-    last bits. Every row sees every key of the call, so NaN / inf in ``v`` stay in the formula's terms."""
+    last bits. NaN / inf in ``v`` stay in the formula's terms: every row sees every key of the call, or
+    (a causal diagonal) the call goes to ``forward``."""
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
     part = cpu_fused.single_part(Sq, Sk, left, right) if B > 0 and softmax_scale > 0 else None
     if part is None:
@@ -116,14 +122,16 @@ def forward_dense(q, k, v, sinks, softmax_scale, left, right):
     q32, k32, v32 = q.float(), k.float(), v.float()
     if not loose_bound(q32, k32, softmax_scale) <= MAX_SCORE:      # q or k not finite, or scores may not fit fp32
         return None
+    if part.causal and nonfinite.present(v32):     # its diagonal tiles would carry them to rows that do not see them
+        return None
     o, lse_keys = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
                                                 part, softmax_scale)
-    out = o.transpose(1, 2)
+    out = o.transpose(1, 2)                  # laid out as q is: contiguous for tokens-first q and for Sq = 1
     if sinks is None:
-        return out, lse_keys
+        return out.contiguous(), lse_keys
     lse = sink.lse_with_sink(lse_keys, sinks)
     out *= sink.key_mass(lse_keys, lse).transpose(1, 2)[..., None]
-    return out, lse
+    return out.contiguous(), lse
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,

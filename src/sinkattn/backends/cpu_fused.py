@@ -226,8 +226,8 @@ def _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows: Span, keys
 
 def forward_heads_first(qh, kh, vh, part, softmax_scale):
     """One kernel call on heads-first views (any strides): ``qh [N, HQ, Lq, D]``, ``kh``/``vh [N, HKV, Lk, D]``
-    under ``single_call``'s ``part`` -> ``(o_keys [N, HQ, Lq, D], lse_keys [N, HQ, Lq])``, both laid out
-    tokens first (``[N, Lq, HQ, D]``, ``[N, Lq, HQ]``)."""
+    under ``single_call``'s ``part`` -> ``(o_keys [N, HQ, Lq, D], lse_keys [N, HQ, Lq])``; ``o_keys`` is laid
+    out as ``qh`` is (tokens first for a view of a tokens-first tensor), ``lse_keys`` as ``[N, Lq, HQ]``."""
     if (part.k0, part.k1) != (0, kh.shape[2]):
         kh, vh = kh[:, :, part.k0:part.k1], vh[:, :, part.k0:part.k1]
     return _FWD(qh, kh, vh, 0.0, part.causal, scale=softmax_scale)

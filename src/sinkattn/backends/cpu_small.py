@@ -163,8 +163,8 @@ def _group_mask(mask: torch.Tensor, G: int) -> torch.Tensor:
 def forward(q, k, v, small, softmax_scale, left, right, literal=False, sinks=None, out=None, lse=None):
     """``(out [Tq, HQ, D], lse [HQ, Tq])`` fp32 on the rows of the small sequences (``layout.Split.small``),
     written into ``out``/``lse`` when given, else into new buffers (the call's sequences are then all
-    small). Without ``sinks`` the softmax over keys only, as ``cpu_fused.forward`` fills it; with
-    ``sinks [HQ]`` the final results."""
+    small): the final results, the sink (``sinks [HQ]`` or None) in the softmax. A sequence's values
+    depend on its own inputs only (its padded shape is a function of its lengths)."""
     (Tq, HQ, D), HKV = q.shape, k.shape[1]
     G = HQ // HKV
     if out is None:

@@ -1,0 +1,64 @@
+"""What keeping NaN/inf of k and v to the rows that see them costs the clean path on the cpu backend.
+
+    python benchmarks/nonfinite.py [--quick] [--repeats N] [--json FILE]
+
+Every cpu call whose rows do not all see the same keys first checks ``k`` and ``v`` for NaN/inf
+(``sinkattn.backends.nonfinite.present``: one sum over each); clean inputs then run exactly as
+before. This times sinkattn on the shapes of ``benchmarks/cpu.py``'s speed section (dense causal B=1,
+HQ=16, HKV=4, S=2048, D=64; fp32 and bf16; fwd and fwd+bwd) with that check and with it replaced by
+``False``, interleaved in one run, and prints the cost. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from sinkattn.backends import cpu
+from sinkattn.testing import bench
+
+
+@contextlib.contextmanager
+def _unchecked():
+    """The check answered ``False`` without looking (what the clean path cost before it)."""
+    original = cpu.nonfinite.present
+    cpu.nonfinite.present = lambda *tensors: False
+    try:
+        yield
+    finally:
+        cpu.nonfinite.present = original
+
+
+def _unchecked_step(step):
+    def run():
+        with _unchecked():
+            step()
+    return run
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="S=256, 2 repeats (smoke run)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", help="write every figure to this file")
+    args = ap.parse_args(argv)
+    S, repeats = (256, 2) if args.quick else (2048, args.repeats)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        problem = bench.Problem(1, S, 16, 4, 64, dtype=dtype)
+        for mode in ("fwd", "fwdbwd"):
+            step = bench.sinkattn_step(problem, mode)
+            t = bench.time_interleaved({"checked": step, "unchecked": _unchecked_step(step)}, repeats)
+            rows.append(dict(shape=problem.label, mode=mode, seconds=t, cost=t["checked"] / t["unchecked"] - 1))
+    info = bench.header()
+    print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
+    for r in rows:
+        t = r["seconds"]
+        print(f"{r['shape']:44s} {r['mode']:6s} checked {t['checked'] * 1e3:8.1f} ms | unchecked "
+              f"{t['unchecked'] * 1e3:8.1f} ms | cost {r['cost'] * 100:+.2f}% (budget < 2%)")
+    bench.write_json(args.json, dict(header=info, rows=rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
