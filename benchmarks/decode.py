@@ -69,13 +69,19 @@ def call_level(B: int, Sk: int, repeats: int, inner: int) -> dict:
                 vs_eager=t["sinkattn"]["wall"] / t["eager"]["wall"])
 
 
-def generate_level(prompt: int, new_tokens: int, repeats: int) -> dict:
+def tiny_models() -> dict:
+    """The same tiny gpt-oss (``sinkattn.testing.gpt_oss``) with sinkattn's attention and with eager."""
     import sinkattn.hf
     from sinkattn.testing import gpt_oss
 
     name = sinkattn.hf.register()
-    models = {impl: gpt_oss.model(attn_implementation=impl) for impl in (name, "eager")}
-    ids = torch.randint(1, gpt_oss.config().vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    return {impl: gpt_oss.model(attn_implementation=impl) for impl in (name, "eager")}
+
+
+def generate_level(models: dict, prompt: int, new_tokens: int, repeats: int) -> dict:
+    name = next(impl for impl in models if impl != "eager")
+    vocab = models[name].config.vocab_size
+    ids = torch.randint(1, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
     outputs = {}
 
     def run(model, n):
@@ -99,18 +105,19 @@ def generate_level(prompt: int, new_tokens: int, repeats: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer calls and tokens, a 128-token long prompt (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="few calls and tokens, a 128-token long prompt (smoke run)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    repeats = 2 if args.quick else args.repeats
-    inner = 20 if args.quick else 200
+    repeats = 1 if args.quick else args.repeats
+    inner = 3 if args.quick else 200
     rows = [call_level(B, Sk, repeats, inner) for B in (1, 4) for Sk in (16, 1024)]
     long_prompt = 128 if args.quick else 2048
-    rows += [generate_level(prompt, 4 if args.quick else 32, repeats) for prompt in (32, long_prompt)]
+    models = tiny_models()
+    rows += [generate_level(models, prompt, 2 if args.quick else 32, repeats) for prompt in (32, long_prompt)]
 
     info = bench.header() | {"loadavg_1min": os.getloadavg()[0]}
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))

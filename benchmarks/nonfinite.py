@@ -1,6 +1,6 @@
 """What keeping NaN/inf of k and v to the rows that see them costs the clean path on the cpu backend.
 
-    python benchmarks/nonfinite.py [--quick] [--repeats N] [--json FILE]
+    python benchmarks/nonfinite.py [--quick] [--repeats N] [--threads N] [--json FILE]
 
 Every cpu call whose rows do not all see the same keys first checks ``k`` and ``v`` for NaN/inf
 (``sinkattn.backends.nonfinite.present``: one sum over each); clean inputs then run exactly as
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+
+import torch
 
 from sinkattn.backends import cpu
 from sinkattn.testing import bench
@@ -40,8 +42,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="S=256, 2 repeats (smoke run)")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     S, repeats = (256, 2) if args.quick else (2048, args.repeats)
     rows = []
     for dtype in ("float32", "bfloat16"):

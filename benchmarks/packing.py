@@ -1,6 +1,6 @@
 """Packed batches on the cpu backend: is the cost proportional to the work, whatever the lengths?
 
-    python benchmarks/packing.py [--quick] [--repeats N] [--json FILE]
+    python benchmarks/packing.py [--quick] [--repeats N] [--threads N] [--json FILE]
 
 Same run, same tokens, same heads (HQ=8, HKV=2, D=64, fp32, causal, sinks), fwd+bwd (and fwd),
 medians of interleaved repeats; prints ratios, asserts nothing. Work is counted in visible
@@ -93,10 +93,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller batches, 1 repeat (smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else args.repeats
-    n_short, tailed_tokens, uniform_len = (2000, 4096, 256) if args.quick else (20000, 32768, 1024)
+    n_short, tailed_tokens, uniform_len = (500, 1024, 128) if args.quick else (20000, 32768, 1024)
 
     short = uniform_between(1, 3, 2 * n_short, seed=1)[:n_short]
     short_tokens = sum(short)

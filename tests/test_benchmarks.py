@@ -73,3 +73,37 @@ def test_cp_benchmark_quick(tmp_path):
     assert sorted({(r["P"], r["rank"]) for r in report["rows"]}) == [(1, 0), (2, 0), (2, 1)]
     assert all(r["seconds"] > 0 and r["peak_growth_mib"] >= 0 for r in report["rows"])
     assert "x single" in run.stdout
+
+
+def _quick(script, tmp_path, *extra):
+    out = tmp_path / f"{script}.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--json", str(out),
+                          *extra], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout, json.loads(out.read_text())
+
+
+def test_decode_benchmark_quick(tmp_path):
+    pytest.importorskip("transformers", minversion="5.4")
+    stdout, report = _quick("decode", tmp_path)
+    calls = [r for r in report["rows"] if r["section"] == "call"]
+    assert {(r["B"], r["Sk"]) for r in calls} == {(1, 16), (1, 1024), (4, 16), (4, 1024)}
+    assert all(r["seconds"][p]["wall"] > 0 for r in calls for p in ("sinkattn", "sdpa", "eager"))
+    generated = [r for r in report["rows"] if r["section"] == "generate"]
+    assert [r["prompt"] for r in generated] == [32, 128] and all(r["same_tokens"] for r in generated)
+    assert "vs sdpa" in stdout and "x eager" in stdout
+
+
+def test_packing_benchmark_quick(tmp_path):
+    stdout, report = _quick("packing", tmp_path)
+    assert set(report["ratios"]) == {"short_fwd", "short_fwdbwd", "long-tailed_fwd", "long-tailed_fwdbwd",
+                                     "empty_fwdbwd"}
+    assert all(r["seconds"] > 0 and r["visible_pairs"] > 0 for r in report["rows"])
+    assert "target <= 1.2" in stdout
+
+
+def test_nonfinite_benchmark_quick(tmp_path):
+    stdout, report = _quick("nonfinite", tmp_path)
+    assert [(r["shape"].split()[5], r["mode"]) for r in report["rows"]] == [
+        ("float32", "fwd"), ("float32", "fwdbwd"), ("bfloat16", "fwd"), ("bfloat16", "fwdbwd")]
+    assert "budget < 2%" in stdout
