@@ -88,6 +88,13 @@ def test_sequences_without_queries_or_keys_pass_gate_a():
     assert result.passed, describe(result)
 
 
+@pytest.mark.parametrize("k_lens", [(4, 3, 0), (0, 0, 0)], ids=["last-without-keys", "no-keys-at-all"])
+def test_sequences_without_keys_at_the_end(k_lens):
+    case = C("L2", 4, 2, (3, 2, 5), k_lens, D=8, dtype=torch.float32, note="nokeys")
+    result = verify.run_case(case, "cpu")
+    assert result.passed, describe(result)
+
+
 def test_padded_lengths_are_buckets_of_at_most_an_eighth_more():
     L = torch.arange(0, 5000)
     P = cpu_small.padded_length(L)

@@ -87,6 +87,8 @@ class _Gathered:
         return out.flatten(2, 3)
 
     def keys(self, x):            # [T, HKV, D] -> [n, HKV, Pk, D]
+        if x.shape[0] == 0:       # the call has no key at all
+            return x.new_zeros(self.slots.shape[0], self.HKV, self.slots.shape[1], x.shape[2])
         out = x[self.slots[:, None], torch.arange(self.HKV).view(1, -1, 1)]
         if not self.slots_full:
             out.masked_fill_(~self.slot_ok[:, None, :, None], 0.0)
@@ -123,8 +125,8 @@ def _gathered(seqs: Sequences, k0: torch.Tensor, k1: torch.Tensor, Pq: int, Pk: 
     i, j = torch.arange(Pq), torch.arange(Pk)
     row_ok = i < seqs.Lq[:, None]
     slot_ok = j < (k1 - k0)[:, None]
-    rows = torch.where(row_ok, seqs.tq[:, None] + i, seqs.tq[:, None])
-    slots = torch.where(slot_ok, (seqs.tk + k0)[:, None] + j, seqs.tk[:, None])
+    rows = torch.where(row_ok, seqs.tq[:, None] + i, 0)          # padding reads token 0, then zeroed
+    slots = torch.where(slot_ok, (seqs.tk + k0)[:, None] + j, 0)
     seen = masks.visible(i, (k0[:, None] + j)[:, None, :], seqs.Lq[:, None], seqs.Lk[:, None], left, right)
     mask = seen & row_ok[:, :, None] & slot_ok[:, None, :]
     unseen = torch.cat([token_ranges(seqs.tk, k0), token_ranges(seqs.tk + k1, seqs.Lk - k1)])
