@@ -48,8 +48,9 @@ def check_fp32_range(bound: float, q: torch.Tensor, k: torch.Tensor) -> None:
 
 def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
     """``|scale| D max|q| max|k|``, at least ``score_bound`` (``|q_i| <= sqrt(D) max|q|``) and cheaper:
-    one reduction per tensor. Not finite when an input is not; 0 without tokens."""
+    one min/max reduction per tensor, one read. ``inf`` when an input is not finite; 0 without tokens."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    largest = [float(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)) for x in (q, k)]
-    return abs(softmax_scale) * q.shape[-1] * largest[0] * largest[1]
+    q_min, q_max, k_min, k_max = torch.stack([*torch.aminmax(q), *torch.aminmax(k)]).tolist()
+    bound = abs(softmax_scale) * q.shape[-1] * max(-q_min, q_max) * max(-k_min, k_max)
+    return bound if math.isfinite(q_min + q_max + k_min + k_max) else math.inf
