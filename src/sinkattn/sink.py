@@ -27,13 +27,14 @@ def lse_with_sink(lse_keys: torch.Tensor, sinks: torch.Tensor | None) -> torch.T
     return torch.logaddexp(lse_keys, sinks.float().unsqueeze(-1))
 
 
-def key_mass(lse_keys: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def key_mass(lse_keys: torch.Tensor, lse: torch.Tensor, rows_have_keys: bool = False) -> torch.Tensor:
     """``[HQ, T]`` fp32: ``exp(lse_keys - lse)``, the probability mass on real keys.
 
     0 for a row that sees no key (``lse_keys = -inf``) and for a ``+inf`` sink; ``lse`` is floored at
-    the lowest fp32 number so that ``-inf - (-inf)`` (no key, no sink) is never formed.
+    the lowest fp32 number so that ``-inf - (-inf)`` (no key, no sink) is never formed, unless the
+    caller knows that no ``lse_keys`` is ``-inf`` (``rows_have_keys``; the values are the same).
     """
-    return torch.exp(lse_keys - lse.clamp(min=_LOWEST))
+    return torch.exp(lse_keys - (lse if rows_have_keys else lse.clamp(min=_LOWEST)))
 
 
 def sink_mass(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -130,7 +130,7 @@ def forward_dense(q, k, v, sinks, softmax_scale, left, right):
     if sinks is None:
         return out.contiguous(), lse_keys
     lse = sink.lse_with_sink(lse_keys, sinks)
-    out *= sink.key_mass(lse_keys, lse).transpose(1, 2)[..., None]
+    out *= sink.key_mass(lse_keys, lse, rows_have_keys=True).transpose(1, 2)[..., None]   # finite q, k: finite lse_keys
     return out.contiguous(), lse
 
 

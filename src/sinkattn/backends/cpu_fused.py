@@ -34,7 +34,7 @@ __all__ = ["forward", "backward", "single_call", "single_part", "forward_single"
 BLOCK_M = 64
 """Query rows per block on the windowed path."""
 
-_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FWD = torch._scaled_dot_product_flash_attention_for_cpu     # the same op as torch.ops.aten's, 2 us cheaper to call
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _NEG_INF = float("-inf")
 

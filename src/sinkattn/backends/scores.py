@@ -47,10 +47,11 @@ def check_fp32_range(bound: float, q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
-    """``|scale| D max|q| max|k|``, at least ``score_bound`` (``|q_i| <= sqrt(D) max|q|``) and cheaper:
-    one min/max reduction per tensor, one read. ``inf`` when an input is not finite; 0 without tokens."""
+    """``|scale| ||q||_F ||k||_F``, at least ``score_bound`` (a row's norm is at most its tensor's) and cheap:
+    one fused reduction over both tensors, one read. ``inf`` when an input is not finite (or the norm
+    overflows); 0 without tokens."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    q_min, q_max, k_min, k_max = torch.stack([*torch.aminmax(q), *torch.aminmax(k)]).tolist()
-    bound = abs(softmax_scale) * q.shape[-1] * max(-q_min, q_max) * max(-k_min, k_max)
-    return bound if math.isfinite(q_min + q_max + k_min + k_max) else math.inf
+    norm_q, norm_k = torch.stack(torch._foreach_norm([q, k])).tolist()
+    bound = abs(softmax_scale) * norm_q * norm_k
+    return bound if bound == bound else math.inf
