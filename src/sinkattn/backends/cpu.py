@@ -4,8 +4,8 @@ Three paths compute the softmax over keys; the sink is added around them here
 (``sinkattn.sink``). Each call's sequences are split between them
 (``layout.split``):
 
-* ``cpu_small`` takes the sequences with few scores (decoding: few queries;
-  short sequences), many per batch, scores materialized.
+* ``cpu_small`` takes the packed sequences of at most ``cpu_small.SHORT_LENGTH``
+  queries and keys, many per batch, scores materialized.
 * ``cpu_fused`` drives PyTorch's fused flash-attention CPU kernel, tile by tile
   under the mask, one run of equal-length sequences per call. The fast path
   for the others.

@@ -1,18 +1,18 @@
-"""CPU path for packed sequences with few scores, many at a time: decoding rows and short sequences.
+"""CPU path for packed short sequences, many at a time.
 
-A sequence of a packed batch is small (``takes``) when its queries are few (``Lq <= DECODE_ROWS``:
-KV-cache decoding, any number of keys) or it is short (``Lq, Lk <= SHORT_LENGTH``). One kernel call
-per such sequence would cost far more than its attention; instead the small sequences of a call are
-gathered into buckets of one padded shape ``(Pq, Pk) = (padded_length(Lq), padded_length(K))``
-(``K``: the keys its rows can see, ``masks.block_key_range``), zero-filled and masked past each
-sequence's own lengths, and each bucket's ``[Pq, Pk]`` scores are materialized at once with
-``cpu_slab``'s block algebra (exact at any score size); results are scattered back to the token
-layout. (A dense batch, whose sequences share their lengths, is one kernel call on the other paths.)
+A sequence of a packed batch is short (``takes``) when it has at most ``SHORT_LENGTH`` queries and
+keys. One kernel call per such sequence would cost far more than its attention (a 1-3 token
+sequence: about 45 us for a few hundred flops); instead the short sequences of a call are gathered
+into buckets of one padded shape ``(Pq, Pk) = (padded_length(Lq), padded_length(K))`` (``K``: the
+keys its rows can see, ``masks.block_key_range``), zero-filled and masked past each sequence's own
+lengths, and each bucket's ``[Pq, Pk]`` scores are materialized at once with ``cpu_slab``'s block
+algebra (exact at any score size); results are scattered back to the token layout. (A dense batch,
+whose sequences share their lengths, and a run of consecutive equal-length sequences are one kernel
+call on the other paths.)
 
-A sequence's padded shape depends on its own lengths only; a batch holds at most
-``SLAB_ELEMENTS`` scores. Per sequence and head the scores are at most
-``max(DECODE_ROWS * Lk, SHORT_LENGTH**2)``, so memory stays O(tokens x heads); Python loops run per
-bucket, not per sequence.
+A sequence's padded shape depends on its own lengths only; a batch holds at most ``SLAB_ELEMENTS``
+scores, and each sequence at most ``SHORT_LENGTH**2`` per head, so memory stays O(tokens x heads);
+Python loops run per bucket, not per sequence.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from . import buffers
 from .cpu_slab import SLAB_ELEMENTS, block_backward, block_forward, sink_rows
 from .layout import Sequences, token_ranges
 
-__all__ = ["takes", "padded_length", "forward", "backward", "DECODE_ROWS", "SHORT_LENGTH"]
+__all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH"]
 
-DECODE_ROWS = 16
-"""Sequences with at most this many queries are small whatever their number of keys."""
-SHORT_LENGTH = 64
-"""Sequences with at most this many queries and keys are small."""
-
-
+SHORT_LENGTH = 24
+"""Sequences with at most this many queries and keys are batched here. Measured (fwd+bwd per visible
+pair, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): batched here 38x / 16x /
+11x / 6.7x the cost of 1024-token sequences at L = 2 / 8 / 16 / 32, one kernel call per sequence
+279x / 39x / 13x / 5.5x; decoding rows (1-16 queries against hundreds of keys) are cheaper one call
+each as well."""
 
 def padded_length(L: torch.Tensor) -> torch.Tensor:
     """int64 ``L`` rounded up elementwise to its bucket size: exact to 16, then 8 sizes per octave
@@ -45,8 +45,7 @@ def padded_length(L: torch.Tensor) -> torch.Tensor:
 
 def takes(Lq: torch.Tensor, Lk: torch.Tensor, HQ: int) -> torch.Tensor:
     """bool: whether this path computes the sequences of ``Lq >= 1`` queries and ``Lk`` keys (int64, elementwise)."""
-    few = (Lq <= DECODE_ROWS) | (torch.maximum(Lq, Lk) <= SHORT_LENGTH)
-    return few & (HQ * padded_length(Lq) * padded_length(Lk) <= SLAB_ELEMENTS)
+    return (torch.maximum(Lq, Lk) <= SHORT_LENGTH) & (HQ * padded_length(Lq) * padded_length(Lk) <= SLAB_ELEMENTS)
 
 
 @dataclass
