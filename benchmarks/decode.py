@@ -108,7 +108,7 @@ def generate_level(models: dict, prompt: int, new_tokens: int, repeats: int) -> 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few calls and tokens, a 128-token long prompt (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="few calls and tokens, 128 keys for the long case (smoke run)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--json", help="write every figure to this file")
@@ -117,7 +117,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else args.repeats
     inner = 3 if args.quick else 200
-    rows = [call_level(B, Sk, repeats, inner) for B in (1, 4) for Sk in (16, 1024)]
+    rows = [call_level(B, Sk, repeats, inner) for B in (1, 4) for Sk in (16, 128 if args.quick else 1024)]
     long_prompt = 128 if args.quick else 2048
     models = tiny_models()
     rows += [generate_level(models, prompt, 2 if args.quick else 32, repeats) for prompt in (32, long_prompt)]

@@ -11,6 +11,7 @@ medians of interleaved repeats; prints ratios, asserts nothing. Work is counted 
 * ``long-tailed``: lengths drawn like an SFT dataset's (log-normal, median 200 tokens,
   sigma 1.1, clipped to 1..4096: many short sequences, a few long ones) against uniform
   1024-token sequences, about 32k tokens each. Target: time per visible pair <= 1.2x uniform's.
+* ``short-heavy``: the same with median 32 and sigma 1.2 (three in four sequences at most 64 tokens).
 * ``empty``: the long-tailed batch with 8 empty sequences after each real one (a fixed-size
   ``cu_seqlens`` padded with empty sequences) against the same batch without them. Target: ~1x.
 """
@@ -106,8 +107,10 @@ def main(argv=None):
     rows = compare("short", {"1-3 tokens": short, "100-156 tokens": uniform_between(100, 156, short_tokens, seed=2)},
                    repeats)
     tailed = long_tailed(tailed_tokens, seed=3)
-    rows += compare("long-tailed", {"long-tailed": tailed,
-                                    f"uniform {uniform_len}": [uniform_len] * (tailed_tokens // uniform_len)}, repeats)
+    uniform = [uniform_len] * (tailed_tokens // uniform_len)
+    rows += compare("long-tailed", {"long-tailed": tailed, f"uniform {uniform_len}": uniform}, repeats)
+    rows += compare("short-heavy", {"short-heavy": long_tailed(tailed_tokens, seed=3, median=32, sigma=1.2),
+                                    f"uniform {uniform_len}": uniform}, repeats)
     padded = [L for length in tailed for L in (length, *[0] * 8)]
     rows += compare("empty", {"long-tailed": tailed, "with 8 empty after each": padded}, repeats, modes=("fwdbwd",))
 
@@ -118,6 +121,7 @@ def main(argv=None):
     for section, (ours, peer), per_pair, target in (
             ("short", ("1-3 tokens", "100-156 tokens"), False, "<= 1"),
             ("long-tailed", ("long-tailed", f"uniform {uniform_len}"), True, "<= 1.2"),
+            ("short-heavy", ("short-heavy", f"uniform {uniform_len}"), True, "<= 1.2"),
             ("empty", ("with 8 empty after each", "long-tailed"), False, "~1")):
         for mode in ("fwd", "fwdbwd"):
             pick = {r["batch"]: r for r in rows if r["section"] == section and r["mode"] == mode}
