@@ -89,35 +89,43 @@ class StepTimes:
         self.callback = Callback()
 
 
-def child(what: str, impl: str, lengths: list[int], repeats: int, device: str) -> dict:
-    """``what="time"``: median of ``repeats`` steps after a warm-up; ``"memory"``: the peak growth of
-    the second step's ``training_step``."""
+def _measure_second_training_step(trainer, device: str) -> list:
+    """Make ``trainer`` record the peak memory growth of its second ``training_step`` (the first
+    is a warm-up) into the returned list."""
     from sinkattn.testing import bench
 
-    with tempfile.TemporaryDirectory() as folder:
-        if what == "memory":
-            trainer = _trainer(impl, lengths, 2, device, folder)
-            step, growth = trainer.training_step, []
+    step, growth = trainer.training_step, []
 
-            def measured(*args, **kwargs):
-                if not trainer.state.global_step:                       # step 1: warm-up
-                    return step(*args, **kwargs)
-                out = []
-                growth.append(bench.step_peak_growth_mib(lambda: out.append(step(*args, **kwargs)), device))
-                return out[0]
-            trainer.training_step = measured
-            trainer.train()
-            return dict(peak_growth_mib=growth[0])
-        trainer = _trainer(impl, lengths, 1 + repeats, device, folder)
+    def measured(*args, **kwargs):
+        if trainer.state.global_step != 1:
+            return step(*args, **kwargs)
+        out = []
+        growth.append(bench.step_peak_growth_mib(lambda: out.append(step(*args, **kwargs)), device))
+        return out[0]
+    trainer.training_step = measured
+    return growth
+
+
+def child(what: str, impl: str, lengths: list[int], repeats: int, device: str) -> dict:
+    """``what="time"``: median of ``repeats`` steps after a warm-up; ``"memory"``: the peak growth of
+    the second step's ``training_step``; ``"both"`` (smoke runs): both from the same steps."""
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = _trainer(impl, lengths, 2 if what == "memory" else 1 + repeats, device, folder)
         timer = StepTimes(device)
         trainer.add_callback(timer.callback)
+        growth = _measure_second_training_step(trainer, device) if what != "time" else None
         batch = next(iter(trainer.get_train_dataloader()))
         load_before = os.getloadavg()[0]
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     shape = list(batch["input_ids"].shape)
-    return dict(seconds=statistics.median(timer.seconds[1:]), samples=timer.seconds[1:], first_loss=losses[0],
-                batch=shape, tokens_in_batch=shape[0] * shape[1], loadavg=[load_before, os.getloadavg()[0]])
+    row = dict(first_loss=losses[0], batch=shape, tokens_in_batch=shape[0] * shape[1])
+    if what != "memory":
+        row.update(seconds=statistics.median(timer.seconds[1:]), samples=timer.seconds[1:],
+                   loadavg=[load_before, os.getloadavg()[0]])
+    if what != "time":
+        row.update(peak_growth_mib=growth[0])
+    return row
 
 
 def _fresh(what: str, impl: str, lengths: list[int], repeats: int, device: str) -> dict:
@@ -132,10 +140,13 @@ def _fresh(what: str, impl: str, lengths: list[int], repeats: int, device: str) 
 
 
 def measure(impl: str, lengths: list[int], repeats: int, device: str, fresh: bool = True) -> dict:
-    """Time and peak growth of one step, each in its own fresh process (``fresh=False``: in this one)."""
+    """Time and peak growth of one step, each in its own fresh process (``fresh=False``: both from the
+    same steps, in this process)."""
     row = dict(impl=impl, setup=SETUPS[impl])
+    if not fresh:
+        return row | child("both", impl, lengths, repeats, device)
     for what in ("time", "memory"):
-        row.update((_fresh if fresh else child)(what, impl, lengths, repeats, device))
+        row.update(_fresh(what, impl, lengths, repeats, device))
     return row
 
 
