@@ -15,7 +15,7 @@ all-reduce of the group sums it, as for every replicated parameter). Before any 
 communication every rank's shapes, dtype, device type and options are compared exactly by one
 ``all_gather`` of a small descriptor, and the packing's lengths by a second one; a mismatch or
 bad input raises the same error on every rank (``shard`` and its twins check the same way).
-Results are
+Under ``torch.autocast`` q, k and v are cast to its dtype (``sinkattn.autocast``). Results are
 bitwise reproducible for a fixed group size and layout.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import autodiff, backends, defaults, masks, validation
+from ..autocast import autocast_inputs
 from . import group as groups
 from . import ring, ulysses
 from .layout import LAYOUTS, check_layout, check_lengths, lengths_of
@@ -68,12 +69,14 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
     """Checks on this rank, then the agreement of all ranks (the packing too when ``packed``).
 
     ``lengths_fn(q, k, v, P)`` checks the shapes and returns ``(lengths, longest)``. Returns the
-    group, ``(q, k, v)`` as the methods take them and what the methods need."""
+    group, ``(q, k, v)`` as the methods take them (cast under autocast, see ``sinkattn.autocast``)
+    and what the methods need."""
     autodiff.refuse_transforms()   # no collective runs inside one; a transform wraps the call on every rank
     g = groups.resolve(group)
     facts, error, ready, lengths = None, None, None, None
     try:
         autodiff.refuse_forward_ad(q, k, v, sinks)
+        q, k, v = autocast_inputs(q, k, v)
         _check_method(method)
         check_layout(layout)
         lengths, longest = lengths_fn(q, k, v, g.size)
@@ -96,7 +99,8 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
 def _attention(method, q, k, v, sinks, g, layout, ready):
     lengths, scale, left, right, name = ready
     run = ring.attention if method == "ring" else ulysses.attention
-    return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
+    with torch.autocast(q.device.type, enabled=False):     # q, k, v are cast already; the merges stay fp32
+        return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, *, sinks=None, softmax_scale=None, causal=False,

@@ -59,7 +59,9 @@ CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
           CPCase(False, True, (3, 0), "ring", "zigzag", backend="triton", world_sizes=(2,)),
           CPCase(False, True, (-1, -1), "ring", "zigzag", subgroups=2),
           CPCase(False, True, (5, 0), "ring", "zigzag", tile_rows=3, repeat=True),
-          CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5)]
+          CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5),
+          CPCase(False, True, (5, 0), "ring", "zigzag", autocast=True, world_sizes=(2,)),
+          CPCase(True, True, (-1, -1), "ulysses", "contiguous", autocast=True, world_sizes=(2,))]
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
           "options differ", "methods differ", "packing differs", "packings collide", "one token fewer",
