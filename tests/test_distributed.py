@@ -1,6 +1,11 @@
 """sinkattn.distributed against single-process sinkattn on the full tensors, on 2 and 4 gloo
 processes (one spawned group per world size runs every case; see sinkattn.testing.cp)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -180,8 +185,6 @@ def test_destroy_process_group_stops_gloo_threads_after_a_sinkattn_call(tmp_path
     """The first torch.library call imports torch._dynamo and with it torch.distributed.nn.functional,
     whose default arguments bind the default group. Done after init_process_group, that kept the group
     alive past destroy_process_group, and its gloo threads could abort the process at exit."""
-    import subprocess
-    import sys
     import textwrap
     script = textwrap.dedent(f"""
         import os
@@ -200,3 +203,13 @@ def test_destroy_process_group_stops_gloo_threads_after_a_sinkattn_call(tmp_path
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "gloo threads left: 0" in run.stdout, run.stdout
+
+
+def test_cp_example_without_torchrun_runs_as_a_group_of_one():
+    example = Path(__file__).resolve().parents[1] / "examples" / "cp_train_step.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    run = subprocess.run([sys.executable, str(example), "--method", "ring"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "a group of one (P=1)" in run.stdout and "torchrun --nproc-per-node P" in run.stdout
+    assert "P=1 method=ring" in run.stdout and "OK: worst" in run.stdout
