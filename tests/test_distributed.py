@@ -131,6 +131,8 @@ _ERROR_TEXT = {   # {P}: the group size, {last}: the last rank
     "q missing on the last rank": ("TypeError", "rank {last} of {P} rejected its inputs: q must be a torch.Tensor"),
     "device on the last rank": ("NotImplementedError", "rank {last} of {P} rejected its inputs: context parallelism "
                                                        "exchanges shards between ranks, and meta tensors hold no data"),
+    "packed meta on the last rank": ("NotImplementedError", "rank {last} of {P} rejected its inputs: context "
+                                                            "parallelism exchanges shards between ranks, and meta"),
     "shard not divisible": ("ValueError", "rank 0 of {P} rejected its inputs: x.shape[1] has length {odd}, not "
                                           "divisible by {P} = P"),
     "shard shapes differ": ("ValueError", "ranks disagree on x.shape[0]: rank 0 has 2, rank {last} has 3"),

@@ -54,11 +54,14 @@ def _shown(name: str, value: float) -> str:
     return f"{value:g}"
 
 
-def _check_device(q, g) -> None:
-    if q.device.type == "meta":
+def _refuse_meta(*tensors) -> None:
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
         raise NotImplementedError("context parallelism exchanges shards between ranks, and meta tensors hold "
                                   "no data; for shapes only, call sinkattn.sink_attn_func / sink_attn_varlen_func "
                                   "on meta tensors (the result has q's shape, lse is fp32)")
+
+
+def _check_device(q, g) -> None:
     if "nccl" in str(groups.dist.get_backend(g.handle)).lower() and q.device.type != "cuda":
         raise ValueError(f"the group uses NCCL, which needs CUDA tensors; got q on {q.device}: move the "
                          f"shards to this rank's GPU or use a gloo group for CPU tensors")
@@ -77,6 +80,7 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
     try:
         autodiff.refuse_forward_ad(q, k, v, sinks)
         q, k, v = autocast_inputs(q, k, v)
+        _refuse_meta(q, k, v)
         _check_method(method)
         check_layout(layout)
         lengths, longest = lengths_fn(q, k, v, g.size)

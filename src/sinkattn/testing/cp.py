@@ -65,7 +65,8 @@ CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
           "options differ", "methods differ", "packing differs", "packings collide", "one token fewer",
-          "q missing on the last rank", "device on the last rank", "shard not divisible", "shard shapes differ",
+          "q missing on the last rank", "device on the last rank", "packed meta on the last rank",
+          "shard not divisible", "shard shapes differ",
           "shard_varlen packing valid on one rank", "shard_varlen packings differ", "unshard dtypes differ",
           "double backward ring", "double backward ulysses", "forward-mode AD", "torch.func.jvp")
 AUTOCAST_DTYPE = torch.bfloat16
@@ -161,6 +162,12 @@ def _error_case(which: str, rank: int, P: int, cp):
             q = None
         elif which == "device on the last rank" and last:
             q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
+        elif which == "packed meta on the last rank":
+            t, lengths = 24, [16 * P, 8 * P]
+            device = "meta" if last else "cpu"
+            cp.sink_attn_varlen_func(*(torch.randn(t, h, D, device=device) for h in (HQ, HKV, HKV)),
+                                     _offsets(lengths).to(device), max(lengths))
+            return None
         elif which == "shard not divisible":
             cp.shard(torch.randn(2, 4 * P + 1, 3), 1, layout="contiguous")
             return None
