@@ -321,7 +321,7 @@ def test_readme_sample_output_is_what_the_main_job_prints_now(tmp_path, capsys, 
     assert cli.main([]) == 0
     printed = capsys.readouterr().out
     words = {_skeleton(line) for line in printed.splitlines()}
-    checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|median ms|verdict:|\[\d\]|"
+    checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|ms: median|verdict:|\[\d\]|"
                                                    r"plot written|┃ case|┃ B )", line)]
     assert len(checked) == 9, checked
     assert [line for line in checked if _skeleton(line) not in words] == []
