@@ -73,7 +73,9 @@ def test_cp_benchmark_quick(tmp_path):
         ("single-process", 1), ("ring", 1), ("ring", 2), ("ulysses", 1), ("ulysses", 2)}
     assert sorted({(r["P"], r["rank"]) for r in report["rows"]}) == [(1, 0), (2, 0), (2, 1)]
     assert all(r["seconds"] > 0 and r["peak_growth_mib"] >= 0 for r in report["rows"])
-    assert "x single" in run.stdout
+    assert all(e["max_rank_seconds_min"] <= e["max_rank_seconds"] <= e["max_rank_seconds_max"]
+               for e in report["summary"])
+    assert "x single" in run.stdout and (report["noise_warning"] is None) == ("noise:" not in run.stdout)
 
 
 def test_trl_step_benchmark_quick(tmp_path):

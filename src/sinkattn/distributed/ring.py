@@ -162,6 +162,11 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         autodiff.refuse_double_backward()       # the same on every rank: before any communication
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):   # as the forward ran
+            return _Ring.gradients(ctx, dout, dlse)
+
+    @staticmethod
+    def gradients(ctx, dout, dlse):
         q, k, v, sinks, o, lse = ctx.saved_tensors
         group, plans, scale, backend = ctx.setup
         impl = backends.load(backend)
