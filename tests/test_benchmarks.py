@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (smoke size); they print figures and never assert speed."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,19 @@ def test_cp_benchmark_quick(tmp_path):
     assert all(e["max_rank_seconds_min"] <= e["max_rank_seconds"] <= e["max_rank_seconds_max"]
                for e in report["summary"])
     assert "x single" in run.stdout and (report["noise_warning"] is None) == ("noise:" not in run.stdout)
+
+
+def test_trl_step_benchmark_quick(tmp_path):
+    pytest.importorskip("trl", minversion="1.16")
+    out = tmp_path / "trl.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_step.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    ours, eager = report["rows"]
+    assert (ours["impl"], eager["impl"]) == ("sinkattn", "eager")
+    assert ours["batch"] == [1, sum(report["lengths"])] and eager["batch"] == [len(report["lengths"]),
+                                                                               max(report["lengths"])]
+    assert all(r["seconds"] > 0 and r["peak_growth_mib"] is not None for r in report["rows"])
+    assert abs(ours["first_loss"] - eager["first_loss"]) < 0.05 * eager["first_loss"]   # the same tokens scored
+    assert "sinkattn packed / eager padded: time" in run.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import autodiff, backends, defaults, masks, ops, validation
+from .autocast import autocast_inputs
 
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 
@@ -55,8 +56,11 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         lse_i = log(exp(sink_h) + sum_{visible j} exp(scale <q_i, k_j>))
         o_i   = sum_{visible j} exp(scale <q_i, k_j> - lse_i) v_j
 
+    Under ``torch.autocast``, q, k and v are first cast to its dtype, as for SDPA (``sinkattn.autocast``).
+
     Returns ``out [Tq, HQ, D]`` in q's dtype, or ``(out, lse)``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     # a bound past the token count bounds no more than it (and then fits the op's int64)
@@ -70,8 +74,9 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
                    return_lse=False, backend="auto"):
     """Sink attention on a dense batch: ``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]``.
 
-    Same function and options as ``sink_attn_varlen_func``; ``lse`` is fp32 ``[B, HQ, Sq]``.
+    Same function, options and autocast rule as ``sink_attn_varlen_func``; ``lse`` is fp32 ``[B, HQ, Sq]``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     validation.check_dense(q, k, v)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     B, Sq, HQ, D = q.shape

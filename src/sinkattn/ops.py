@@ -13,14 +13,15 @@ is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), 
 reads memory through a layout it does not assume. The checks on the contents of
 ``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
 (``check_cu_seqlens=False`` for the ones the dense entry point builds itself).
-Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``.
+Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``. The backends
+run with autocast off: their fp32 arithmetic is part of the contract (``sinkattn.autocast``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import autodiff, backends, validation
+from . import autocast, autodiff, backends, validation
 from .backends.buffers import contiguous
 
 if torch.distributed.is_available():
@@ -44,9 +45,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
         validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k)
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
-    out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
-                                                     softmax_scale, left, right,
-                                                     max_seqlen=(max_seqlen_q, max_seqlen_k))
+    with autocast.disabled(q.device):
+        out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
+                                                         softmax_scale, left, right,
+                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
     return contiguous(out, lse, *extra)
 
 
@@ -68,9 +70,10 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
         dlse = None
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
-    dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
-                                                         cu_seqlens_k, softmax_scale, left, right, tuple(extra),
-                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
+    with autocast.disabled(q.device):
+        dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
+                                                             cu_seqlens_k, softmax_scale, left, right, tuple(extra),
+                                                             max_seqlen=(max_seqlen_q, max_seqlen_k))
     dsinks = dsinks if dsinks is not None else q.new_empty((0,))
     return contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
 
