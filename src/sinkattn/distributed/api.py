@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import autodiff, backends, defaults, masks, validation
-from ..autocast import autocast_inputs
+from .. import autocast, autodiff, backends, defaults, masks, validation
 from . import group as groups
 from . import ring, ulysses
 from .layout import LAYOUTS, check_layout, check_lengths, lengths_of
@@ -79,7 +78,7 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
     facts, error, ready, lengths = None, None, None, None
     try:
         autodiff.refuse_forward_ad(q, k, v, sinks)
-        q, k, v = autocast_inputs(q, k, v)
+        q, k, v = autocast.autocast_inputs(q, k, v)
         _refuse_meta(q, k, v)
         _check_method(method)
         check_layout(layout)
@@ -103,7 +102,7 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
 def _attention(method, q, k, v, sinks, g, layout, ready):
     lengths, scale, left, right, name = ready
     run = ring.attention if method == "ring" else ulysses.attention
-    with torch.autocast(q.device.type, enabled=False):     # q, k, v are cast already; the merges stay fp32
+    with autocast.disabled(q.device):     # q, k, v are cast already; the merges stay fp32
         return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
 
 
