@@ -368,6 +368,7 @@ def test_traced_key_mask_refuses_padding_inside_a_row_when_it_runs():
     with pytest.raises(ValueError, match="padding inside a row"):
         traced(2, 8, 8, 0, 0, pattern, gap, local_size=4)
     assert torch.equal(traced(2, 8, 8, 0, 0, masking_utils.causal_mask_function, gap), gap)   # full attention
+    torch.library.opcheck(torch.ops.sinkattn.hf_padding_on_one_side.default, (right,))
 
 
 def test_refuses_attention_weights(pair):
