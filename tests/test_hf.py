@@ -288,9 +288,10 @@ def _layout_case(name):
     return (None if name in ("packed", "one token each") else mask), (None if name == "left" else pos)
 
 
-@pytest.mark.parametrize("case", ["right+packed", "left+packed", "empty row+packed", "packed", "left",
-                                  "one token each"])
-def test_layouts_eager_and_traced_equal_each_document_alone(case):
+@pytest.mark.parametrize("case,backend", [(c, "cpu") for c in ("right+packed", "left+packed", "empty row+packed",
+                                                                "packed", "left", "one token each")]
+                         + [("left+packed", "triton")])
+def test_layouts_eager_and_traced_equal_each_document_alone(case, backend):
     """attention_forward on padding / packing layouts, in eager mode (exact layout, read back) and traced
     with fullgraph=True (the fixed-shape layout, nothing read back: no graph break), against every
     document run alone through sink_attn_func; padded query rows are zeros."""
@@ -298,7 +299,7 @@ def test_layouts_eager_and_traced_equal_each_document_alone(case):
     mask, pos = _layout_case(case)
     module = module_with(torch.randn(4) * 2)
     q, k, v = (torch.randn(3, h, 11, 16) for h in (4, 2, 2))
-    kwargs = dict(s_aux=module.sinks, sliding_window=3, position_ids=pos)
+    kwargs = dict(s_aux=module.sinks, sliding_window=3, position_ids=pos, backend=backend)
     eager = sinkattn.hf.attention_forward(module, q, k, v, mask, **kwargs)[0]
     traced = torch.compile(sinkattn.hf.attention_forward, fullgraph=True, backend="eager")(module, q, k, v, mask,
                                                                                              **kwargs)[0]
