@@ -356,19 +356,21 @@ def test_refuses_a_static_cache_mask_it_cannot_map(pair):
                     use_cache=True)
 
 
-def test_traced_key_mask_refuses_padding_inside_a_row_when_it_runs():
-    """Under tracing key_mask passes the padding mask on unread (fullgraph: no graph break); the
-    sliding-window refusal of padding inside a row runs in the compiled program, on the data."""
+def test_key_mask_refuses_padding_inside_a_row_with_a_window_eager_and_traced():
+    """Eager, key_mask reads the mask once (None when every key is real); traced, it passes the
+    mask on unread (fullgraph: no graph break) and the refusal runs in the compiled program."""
     traced = torch.compile(sinkattn.hf.key_mask, fullgraph=True, backend="eager")
     pattern = masking_utils.sliding_window_causal_mask_function(4)
     right = torch.ones(2, 8, dtype=torch.bool)
+    assert sinkattn.hf.key_mask(2, 8, 8, 0, 0, pattern, right, local_size=4) is None
     right[1, 5:] = False
-    assert torch.equal(traced(2, 8, 8, 0, 0, pattern, right, local_size=4), right)
     gap = right.clone()
     gap[0, 3] = False
-    with pytest.raises(ValueError, match="padding inside a row"):
-        traced(2, 8, 8, 0, 0, pattern, gap, local_size=4)
-    assert torch.equal(traced(2, 8, 8, 0, 0, masking_utils.causal_mask_function, gap), gap)   # full attention
+    for key_mask in (sinkattn.hf.key_mask, traced):
+        assert torch.equal(key_mask(2, 8, 8, 0, 0, pattern, right, local_size=4), right)
+        with pytest.raises(ValueError, match="padding inside a row"):
+            key_mask(2, 8, 8, 0, 0, pattern, gap, local_size=4)
+        assert torch.equal(key_mask(2, 8, 8, 0, 0, masking_utils.causal_mask_function, gap), gap)  # full attention
     torch.library.opcheck(torch.ops.sinkattn.hf_padding_on_one_side.default, (right,))
 
 

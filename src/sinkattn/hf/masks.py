@@ -148,7 +148,7 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     keys = attention_mask[:, kv_offset:end].to(torch.bool)
     if torch.compiler.is_compiling():       # the mask goes to the layers unread, but for the one refusal
         return padding_on_one_side(keys) if window is not None else keys
-    every_key_real, one_run = torch.stack([keys.all(), layout.one_run(keys)]).tolist()
-    if window is not None and not one_run:
+    every_key_real, *one_run = torch.stack([keys.all()] + ([layout.one_run(keys)] if window else [])).tolist()
+    if one_run and not one_run[0]:
         raise ValueError(PADDING_INSIDE_A_ROW)
     return None if n == kv_length and every_key_real else keys
