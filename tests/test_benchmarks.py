@@ -43,6 +43,16 @@ def test_hf_benchmark_quick(tmp_path):
     assert "time_vs_eager" in report["ratios"] and "not run" in run.stdout
 
 
+def test_hf_layout_benchmark_quick(tmp_path):
+    out = tmp_path / "hf_layout.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_layout.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["B"], r["S"], r["slots"]) for r in rows] == [(1, 64, 66), (2, 32, 68)]
+    assert all(r["ms"]["traced"] > 0 and r["ms"]["eager mode"] > 0 for r in rows) and "slots" in run.stdout
+
+
 def test_hf_benchmark_ratio_has_no_value_when_the_peer_measured_zero():
     """A smoke run in one process can reuse freed heap: eager's growth of 0 MiB once divided by zero."""
     import runpy

@@ -22,8 +22,7 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
     name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
-    left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, max_seqlen_q,
-                                         max_seqlen_k)
+    left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size)   # the op folds on lengths
     out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
                                    sinks.contiguous() if sinks is not None else None,
                                    cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,

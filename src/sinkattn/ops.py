@@ -12,7 +12,8 @@ contiguous, exactly as the fake implementations describe it, and every tensor ha
 is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), so no backend
 reads memory through a layout it does not assume. The checks on the contents of
 ``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
-(``check_cu_seqlens=False`` for the ones the dense entry point builds itself).
+(``check_cu_seqlens=False`` for the ones the dense entry point builds itself). The window is
+folded on the lengths here too (``masks.normalize_window``), where they are plain ints.
 Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``. The backends
 run with autocast off: their fp32 arithmetic is part of the contract (``sinkattn.autocast``).
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import autocast, autodiff, backends, validation
+from . import autocast, autodiff, backends, masks, validation
 from .backends.buffers import contiguous
 
 if torch.distributed.is_available():
@@ -44,6 +45,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
     if check_cu_seqlens:
         validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k)
+    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     with autocast.disabled(q.device):
         out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
@@ -68,6 +70,7 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              right: int, backend: str, extra: list[torch.Tensor]) -> list[torch.Tensor]:
     if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
         dlse = None
+    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
     with autocast.disabled(q.device):
