@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "BEYOND_ANY_LENGTH",
     "normalize_window",
     "row_key_bounds",
     "visible",
@@ -26,17 +27,29 @@ __all__ = [
 ]
 
 
+BEYOND_ANY_LENGTH = 2 ** 62
+"""A window side this long reaches past the keys of any sequence a tensor can hold."""
+
+
 def normalize_window(causal: bool, window_size: tuple[int, int], max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None) -> tuple[int, int]:
     """Fold ``causal`` into ``(left, right)``; ``-1`` means unbounded.
 
     A side that reaches past every key is unbounded: ``left >= max_seqlen_k - 1`` or
     ``right >= max_seqlen_q - 1`` (given upper bounds of the lengths) selects the same keys as
-    ``-1``, and is folded to it so that no mask arithmetic meets a huge window.
+    ``-1``, and is folded to it so that no mask arithmetic meets a huge window. A side of
+    ``BEYOND_ANY_LENGTH`` or more is folded without lengths.
+
+    The lengths must be concrete ints: the public functions fold without them (under
+    ``torch.compile`` / ``torch.export`` a length is symbolic, and comparing it would tie the
+    compiled program to the lengths it was traced with); the ``sinkattn::forward`` /
+    ``backward`` ops fold again with theirs, where they are plain ints.
     """
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0
+    left = -1 if left >= BEYOND_ANY_LENGTH else left
+    right = -1 if right >= BEYOND_ANY_LENGTH else right
     if max_seqlen_k is not None and left >= max(max_seqlen_k - 1, 0):
         left = -1
     if max_seqlen_q is not None and right >= max(max_seqlen_q - 1, 0):

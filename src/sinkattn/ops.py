@@ -12,15 +12,17 @@ contiguous, exactly as the fake implementations describe it, and every tensor ha
 is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), so no backend
 reads memory through a layout it does not assume. The checks on the contents of
 ``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
-(``check_cu_seqlens=False`` for the ones the dense entry point builds itself).
-Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``.
+(``check_cu_seqlens=False`` for the ones the dense entry point builds itself). The window is
+folded on the lengths here too (``masks.normalize_window``), where they are plain ints.
+Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``. The backends
+run with autocast off: their fp32 arithmetic is part of the contract (``sinkattn.autocast``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import autodiff, backends, validation
+from . import autocast, autodiff, backends, masks, validation
 from .backends.buffers import contiguous
 
 if torch.distributed.is_available():
@@ -59,11 +61,13 @@ def forward_eager(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     if check_cu_seqlens:
         validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
                                              max_seqlen_q, max_seqlen_k)
+    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
     if not inputs_contiguous:
         q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
-    out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
-                                                     softmax_scale, left, right,
-                                                     max_seqlen=(max_seqlen_q, max_seqlen_k))
+    with autocast.disabled(q.device):
+        out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
+                                                         softmax_scale, left, right,
+                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
     return contiguous(out, lse, *extra)
 
 
@@ -92,11 +96,13 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              right: int, backend: str, extra: list[torch.Tensor]) -> list[torch.Tensor]:
     if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
         dlse = None
+    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
-    dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
-                                                         cu_seqlens_k, softmax_scale, left, right, tuple(extra),
-                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
+    with autocast.disabled(q.device):
+        dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
+                                                             cu_seqlens_k, softmax_scale, left, right, tuple(extra),
+                                                             max_seqlen=(max_seqlen_q, max_seqlen_k))
     dsinks = dsinks if dsinks is not None else q.new_empty((0,))
     return contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
 

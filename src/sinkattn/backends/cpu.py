@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import sink
+from .. import masks, sink
 from . import buffers, cpu_fused, cpu_slab, cpu_small, layout, nonfinite
 from .capabilities import Capabilities, Saved
 from .scores import LARGE_SCORE, MAX_SCORE, check_fp32_range, loose_bound, score_bound
@@ -116,6 +116,7 @@ def forward_dense(q, k, v, sinks, softmax_scale, left, right):
     last bits. NaN / inf in ``v`` stay in the formula's terms: every row sees every key of the call, or
     (a causal diagonal) the call goes to ``forward``."""
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    left, right = masks.normalize_window(False, (left, right), Sq, Sk)
     part = cpu_fused.single_part(Sq, Sk, left, right) if B > 0 and softmax_scale > 0 else None
     if part is None:
         return None
