@@ -12,6 +12,10 @@ medians of interleaved repeats; prints ratios, asserts nothing. Work is counted 
   sigma 1.1, clipped to 1..4096: many short sequences, a few long ones) against uniform
   1024-token sequences, about 32k tokens each. Target: time per visible pair <= 1.2x uniform's.
 * ``short-heavy``: the same with median 32 and sigma 1.2 (three in four sequences at most 64 tokens).
+* ``threshold``: where ``cpu_small.SHORT_LENGTH`` sits: packed batches of alternating lengths L and
+  L+1 (no two neighbours equal, so nothing shares a kernel call), fwd+bwd time per visible pair
+  relative to uniform 1024-token sequences, with the batched short path and with one kernel call
+  per sequence (``SHORT_LENGTH = 0``).
 * ``empty``: the long-tailed batch with 8 empty sequences after each real one (a fixed-size
   ``cu_seqlens`` padded with empty sequences) against the same batch without them. Target: ~1x.
 """
@@ -24,6 +28,7 @@ import math
 import torch
 
 from sinkattn import sink_attn_varlen_func
+from sinkattn.backends import cpu_small
 from sinkattn.testing import bench, flops
 
 HQ, HKV, D = 8, 2, 64
@@ -90,6 +95,32 @@ def compare(section: str, batches: dict[str, list[int]], repeats: int, modes=("f
     return rows
 
 
+def threshold(lengths, repeats, tokens=4096) -> list[dict]:
+    uniform = [1024] * (tokens // 1024)
+    steps = {"uniform 1024": _step(uniform, "fwdbwd")}
+    batches = {L: [L + (i % 2) for i in range(tokens // L)] for L in lengths}
+    for L, lens in batches.items():
+        steps[f"L={L} batched"] = _step(lens, "fwdbwd")
+        one_call_each = _step(lens, "fwdbwd")
+
+        def unbatched(run=one_call_each):
+            saved, cpu_small.SHORT_LENGTH = cpu_small.SHORT_LENGTH, 0
+            try:
+                run()
+            finally:
+                cpu_small.SHORT_LENGTH = saved
+        steps[f"L={L} one call each"] = unbatched
+    seconds = bench.time_interleaved(steps, repeats)
+    per_pair = seconds["uniform 1024"] / flops.visible_pairs(uniform, uniform, -1, 0)
+    rows = []
+    for L, lens in batches.items():
+        pairs = flops.visible_pairs(lens, lens, -1, 0)
+        rows.append(dict(section="threshold", L=L, sequences=len(lens), visible_pairs=pairs,
+                         batched=seconds[f"L={L} batched"] / pairs / per_pair,
+                         one_call_each=seconds[f"L={L} one call each"] / pairs / per_pair))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller batches, 1 repeat (smoke run)")
@@ -111,6 +142,7 @@ def main(argv=None):
     rows += compare("long-tailed", {"long-tailed": tailed, f"uniform {uniform_len}": uniform}, repeats)
     rows += compare("short-heavy", {"short-heavy": long_tailed(tailed_tokens, seed=3, median=32, sigma=1.2),
                                     f"uniform {uniform_len}": uniform}, repeats)
+    cuts = threshold((2, 8) if args.quick else (2, 8, 16, 24, 32, 48), repeats)
     padded = [L for length in tailed for L in (length, *[0] * 8)]
     rows += compare("empty", {"long-tailed": tailed, "with 8 empty after each": padded}, repeats, modes=("fwdbwd",))
 
@@ -136,7 +168,11 @@ def main(argv=None):
             ratios[f"{section}_{mode}"] = ratio
             what = "time per visible pair" if per_pair else "time"
             print(f"[{section}] {mode:6s} {what}: {ours} / {peer} = {ratio:.3f}x (target {target})")
-    bench.write_json(args.json, dict(header=info, rows=rows, ratios=ratios))
+    for r in cuts:
+        print(f"[threshold] L={r['L']:3d}: fwd+bwd per visible pair vs uniform 1024: batched {r['batched']:6.2f}x, one "
+              f"kernel call per sequence {r['one_call_each']:6.2f}x  (cpu_small.SHORT_LENGTH = "
+              f"{cpu_small.SHORT_LENGTH})")
+    bench.write_json(args.json, dict(header=info, rows=rows + cuts, ratios=ratios))
     return rows
 
 

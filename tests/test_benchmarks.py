@@ -127,8 +127,10 @@ def test_packing_benchmark_quick(tmp_path):
     stdout, report = _quick("packing", tmp_path)
     assert set(report["ratios"]) == {"short_fwd", "short_fwdbwd", "long-tailed_fwd", "long-tailed_fwdbwd",
                                      "short-heavy_fwd", "short-heavy_fwdbwd", "empty_fwdbwd"}
-    assert all(r["seconds"] > 0 and r["visible_pairs"] > 0 for r in report["rows"])
-    assert "target <= 1.2" in stdout
+    timed = [r for r in report["rows"] if r["section"] != "threshold"]
+    assert all(r["seconds"] > 0 and r["visible_pairs"] > 0 for r in timed)
+    assert [r["L"] for r in report["rows"] if r["section"] == "threshold"] == [2, 8]
+    assert "target <= 1.2" in stdout and "[threshold]" in stdout
 
 
 def test_nonfinite_benchmark_quick(tmp_path):
