@@ -142,7 +142,7 @@ def main(argv=None):
     rows += compare("long-tailed", {"long-tailed": tailed, f"uniform {uniform_len}": uniform}, repeats)
     rows += compare("short-heavy", {"short-heavy": long_tailed(tailed_tokens, seed=3, median=32, sigma=1.2),
                                     f"uniform {uniform_len}": uniform}, repeats)
-    cuts = threshold((2, 8) if args.quick else (2, 8, 16, 24, 32, 48), repeats)
+    cuts = threshold((2, 8), repeats, tokens=1024) if args.quick else threshold((2, 8, 16, 24, 32, 48), repeats)
     padded = [L for length in tailed for L in (length, *[0] * 8)]
     rows += compare("empty", {"long-tailed": tailed, "with 8 empty after each": padded}, repeats, modes=("fwdbwd",))
 
