@@ -28,12 +28,13 @@ from .layout import Sequences, token_ranges
 
 __all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH"]
 
-SHORT_LENGTH = 24
-"""Sequences with at most this many queries and keys are batched here. Measured (fwd+bwd per visible
-pair, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): batched here 38x / 16x /
-11x / 6.7x the cost of 1024-token sequences at L = 2 / 8 / 16 / 32, one kernel call per sequence
-279x / 39x / 13x / 5.5x; decoding rows (1-16 queries against hundreds of keys) are cheaper one call
-each as well."""
+SHORT_LENGTH = 16
+"""Sequences with at most this many queries and keys are batched here. Measured by
+``benchmarks/packing.py`` (its threshold section: fwd+bwd per visible pair against 1024-token
+sequences, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): at L = 2 / 8 / 16
+batched 54x / 17x / 12x, one kernel call per sequence 322x / 43x / 16x; at L = 24 one call each
+(8.0x) beats the batch (10.1x). Decoding rows against hundreds of keys are cheaper one call each too."""
+
 
 def padded_length(L: torch.Tensor) -> torch.Tensor:
     """int64 ``L`` rounded up elementwise to its bucket size: exact to 16, then 8 sizes per octave
