@@ -102,3 +102,39 @@ def test_trl_step_benchmark_quick(tmp_path):
     assert all(r["seconds"] > 0 and r["peak_growth_mib"] is not None for r in report["rows"])
     assert abs(ours["first_loss"] - eager["first_loss"]) < 0.05 * eager["first_loss"]   # the same tokens scored
     assert "sinkattn packed / eager padded: time" in run.stdout
+
+
+def _quick(script, tmp_path, *extra):
+    out = tmp_path / f"{script}.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--json", str(out),
+                          *extra], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout, json.loads(out.read_text())
+
+
+def test_decode_benchmark_quick(tmp_path):
+    pytest.importorskip("transformers", minversion="5.4")
+    stdout, report = _quick("decode", tmp_path)
+    calls = [r for r in report["rows"] if r["section"] == "call"]
+    assert {(r["B"], r["Sk"]) for r in calls} == {(1, 16), (1, 128), (4, 16), (4, 128)}
+    assert all(r["seconds"][p]["wall"] > 0 for r in calls for p in ("sinkattn", "sdpa", "eager"))
+    generated = [r for r in report["rows"] if r["section"] == "generate"]
+    assert [r["prompt"] for r in generated] == [32, 128] and all(r["same_tokens"] for r in generated)
+    assert "vs sdpa" in stdout and "x eager" in stdout
+
+
+def test_packing_benchmark_quick(tmp_path):
+    stdout, report = _quick("packing", tmp_path)
+    assert set(report["ratios"]) == {"short_fwd", "short_fwdbwd", "long-tailed_fwd", "long-tailed_fwdbwd",
+                                     "short-heavy_fwd", "short-heavy_fwdbwd", "empty_fwdbwd"}
+    timed = [r for r in report["rows"] if r["section"] != "threshold"]
+    assert all(r["seconds"] > 0 and r["visible_pairs"] > 0 for r in timed)
+    assert [r["L"] for r in report["rows"] if r["section"] == "threshold"] == [2, 8]
+    assert "target <= 1.2" in stdout and "[threshold]" in stdout
+
+
+def test_nonfinite_benchmark_quick(tmp_path):
+    stdout, report = _quick("nonfinite", tmp_path)
+    assert [(r["shape"].split()[5], r["mode"]) for r in report["rows"]] == [
+        ("float32", "fwd"), ("float32", "fwdbwd"), ("bfloat16", "fwd"), ("bfloat16", "fwdbwd")]
+    assert "budget < 2%" in stdout

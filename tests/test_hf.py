@@ -55,7 +55,10 @@ def run(model, weights, *calls):
     return kept.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_close(eager, ours, label):
+def assert_close(eager, ours, label, floor=None):
+    """``floor``: per gradient, the error of a second sound fp32 computation of the same sequences (sinkattn's
+    dense path against eager); a gradient may err up to 3x that (Gate B's factor), and GRAD_RTOL in any case.
+    Needed where rounding alone moves a gradient that cancels (the MoE router bias: 9e-5 between the two)."""
     (logits_e, grads_e), (logits_o, grads_o) = eager, ours
     assert rel(logits_o, logits_e) <= LOGIT_RTOL, f"{label}: logits rel err {rel(logits_o, logits_e):.2e}"
     assert grads_o.keys() == grads_e.keys()
@@ -64,7 +67,8 @@ def assert_close(eager, ours, label):
     for name, g in grads_e.items():
         assert g.abs().max() > 0, f"{label}: {name} got no gradient"
         err = rel(grads_o[name], g)
-        assert err <= GRAD_RTOL, f"{label}: grad {name} rel err {err:.2e}"
+        limit = GRAD_RTOL if floor is None else max(GRAD_RTOL, 3 * rel(floor[1][name], g))
+        assert err <= limit, f"{label}: grad {name} rel err {err:.2e}"
 
 
 def weights_for(n_rows, vocab=128, seed=1):
@@ -110,7 +114,7 @@ def test_packed_by_position_ids_equals_each_sequence_alone(pair, rows):
     w = weights_for(rows * width)
     packed = run(pair[1], w, (dict(input_ids=ids, position_ids=pos), torch.ones(rows, width, dtype=torch.bool)))
     alone = run(pair[0], w, *alone_calls(seqs))
-    assert_close(alone, packed, f"packed by position_ids, {rows} row(s)")
+    assert_close(alone, packed, f"packed by position_ids, {rows} row(s)", floor=run(pair[1], w, *alone_calls(seqs)))
 
 
 def test_packed_by_data_collator_with_flattening(pair):

@@ -16,19 +16,39 @@ from .autocast import autocast_inputs
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
-         window_size, backend, check_cu_seqlens=True):
+def _call(q, k, v, sinks, softmax_scale, causal, window_size, backend):
+    """What every call settles first: ``(backend name, needs_grad, left, right, softmax_scale)``."""
     autodiff.refuse_unsupported(q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
     name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
     left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size)   # the op folds on lengths
-    out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
-                                   sinks.contiguous() if sinks is not None else None,
-                                   cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-                                   defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name,
-                                   check_cu_seqlens)
+    return name, needs_grad, left, right, defaults.softmax_scale(q.shape[-1], softmax_scale)
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+         window_size, backend, check_cu_seqlens=True):
+    name, needs_grad, left, right, softmax_scale = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), sinks.contiguous() if sinks is not None else None,
+            cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+            softmax_scale, left, right, name, check_cu_seqlens)
+    if not needs_grad and ops.is_plain_eager(*args[:6]):     # the op's body without its dispatch
+        out_acc, lse, *_ = ops.forward_eager(*args, inputs_contiguous=True)
+    else:
+        out_acc, lse, *_ = ops.forward(*args)
     return out_acc.to(q.dtype), lse
+
+
+def _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend):
+    """``(out [B, Sq, HQ, D], lse [B, HQ, Sq])`` of an eager, no-grad dense call that the backend computes
+    on the tensors as they are (``forward_dense``: one kernel call, as in decoding), else None."""
+    name, needs_grad, left, right, softmax_scale = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    dense = getattr(backends.load(name), "forward_dense", None)
+    if dense is None or needs_grad or not ops.is_plain_eager(q, k, v, sinks) or torch.is_autocast_enabled(
+            q.device.type):        # under autocast the op's body runs the backend with autocast off
+        return None
+    result = dense(q, k, v, sinks, softmax_scale, left, right)
+    return None if result is None else (result[0].to(q.dtype), result[1])
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -80,9 +100,13 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     B, Sq, HQ, D = q.shape
     Sk, HKV = k.shape[1], k.shape[2]
-    steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-    out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
-                    steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
-                    check_cu_seqlens=False)
-    out = out.view(B, Sq, HQ, D)
-    return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if validation.as_bool("return_lse", return_lse) else out
+    decoded = _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    if decoded is not None:
+        out, lse = decoded
+    else:
+        steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+        out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
+                        steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
+                        check_cu_seqlens=False)
+        out, lse = out.view(B, Sq, HQ, D), lse.view(HQ, B, Sq).transpose(0, 1)
+    return (out, lse) if validation.as_bool("return_lse", return_lse) else out
