@@ -10,7 +10,8 @@ Same run, inference mode (``torch.no_grad``), fp32; prints medians and ratios, a
   sink attention, ``sinkattn.testing.eager``). Each sample times ``inner`` back-to-back calls;
   providers are interleaved sample by sample. Target: sinkattn <= 5x sdpa per call.
 * ``generate``: greedy ``generate`` of a random gpt-oss (``sinkattn.testing.gpt_oss``) with
-  ``attn_implementation="sinkattn"`` against ``"eager"``, same weights, for each model of ``MODELS``:
+  ``attn_implementation="sinkattn"`` against ``"eager"``, one model switched between the two, for each
+  model of ``MODELS``:
   ``tiny`` (the test config: 4 layers, sliding window 8 on two of them, HQ=4, HKV=2, D=16, hidden
   64), where attention is a small share of a step, and ``gpt-oss attention`` (gpt-oss's attention
   block: HQ=64, HKV=8, D=64, hidden 2880, sliding window 128 on one of its 2 layers; small experts:
@@ -86,15 +87,17 @@ MODELS = {
 scores of a few tens, as in a trained model, at this hidden size)."""
 
 
-def models(kind: str, quick: bool = False) -> dict:
-    """The gpt-oss ``kind`` of ``MODELS`` with sinkattn's attention and with eager (``--quick``: hidden 256)."""
+def model(kind: str, quick: bool = False):
+    """``(model, implementations)``: the gpt-oss ``kind`` of ``MODELS`` (``--quick``: hidden 256) and the two
+    attention implementations it is timed with, sinkattn's first. One model serves both, switched with
+    ``set_attn_implementation``: same weights in the same memory (a step streams all of them)."""
     import sinkattn.hf
     from sinkattn.testing import gpt_oss
 
     name = sinkattn.hf.register()
     spec = MODELS[kind]
     cfg = gpt_oss.config(**(spec["config"] | (dict(hidden_size=256) if quick and spec["config"] else {})))
-    return {impl: gpt_oss.model(cfg, attn_implementation=impl, qk_gain=spec["qk_gain"]) for impl in (name, "eager")}
+    return gpt_oss.model(cfg, attn_implementation=name, qk_gain=spec["qk_gain"]), (name, "eager")
 
 
 class _TokenClock:
@@ -114,15 +117,15 @@ class _TokenClock:
         return [b[clock] - a[clock] for a, b in zip(self.marks[1:], self.marks[2:])]
 
 
-def generate_level(kind: str, models: dict, prompt: int, new_tokens: int, repeats: int) -> dict:
-    name = next(impl for impl in models if impl != "eager")
-    cfg = models[name].config
-    vocab = cfg.vocab_size
-    ids = torch.randint(1, vocab, (1, prompt), generator=torch.Generator().manual_seed(0))
-    outputs, intervals, whole = {}, {impl: ([], []) for impl in models}, {impl: [] for impl in models}
+def generate_level(kind: str, model, implementations: tuple[str, str], prompt: int, new_tokens: int,
+                   repeats: int) -> dict:
+    name, cfg = implementations[0], model.config
+    ids = torch.randint(1, cfg.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    outputs, intervals, whole = {}, {impl: ([], []) for impl in implementations}, {impl: [] for impl in implementations}
     with torch.no_grad():
         for r in range(repeats + 1):                 # the first round warms up
-            for impl, model in models.items():
+            for impl in implementations:
+                model.set_attn_implementation(impl)
                 clock, t0 = _TokenClock(), time.perf_counter()
                 outputs[impl] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
@@ -160,9 +163,10 @@ def main(argv=None):
     rows = [call_level(B, Sk, repeats, inner) for B in (1, 4) for Sk in (16, 128 if args.quick else 1024)]
     long_prompt = 128 if args.quick else 2048
     for kind in args.models:
-        pair = models(kind, args.quick)
-        rows += [generate_level(kind, pair, prompt, 2 if args.quick else 32, repeats) for prompt in (32, long_prompt)]
-        del pair
+        timed, implementations = model(kind, args.quick)
+        rows += [generate_level(kind, timed, implementations, prompt, 2 if args.quick else 32, repeats)
+                 for prompt in (32, long_prompt)]
+        del timed
 
     info = bench.header() | {"loadavg_1min": os.getloadavg()[0]}
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
