@@ -1,6 +1,7 @@
 """Decoding on the CPU: sinkattn against SDPA and eager sink attention, at the call and in HF ``generate``.
 
-    python benchmarks/decode.py [--quick] [--repeats N] [--threads N] [--models NAME ...] [--json FILE]
+    python benchmarks/decode.py [--quick] [--repeats N] [--generate-repeats N] [--threads N] [--models NAME ...]
+                                [--json FILE]
 
 Same run, inference mode (``torch.no_grad``), fp32; prints medians and ratios, asserts nothing.
 
@@ -151,6 +152,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few calls and tokens, 128 keys for the long case (smoke run)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--generate-repeats", type=int, help="rounds of each generate (default: --repeats)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                     help="the models of the generate section (default: all)")
@@ -159,18 +161,20 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else args.repeats
+    rounds = 1 if args.quick else (args.generate_repeats or args.repeats)
     inner = 3 if args.quick else 200
     rows = [call_level(B, Sk, repeats, inner) for B in (1, 4) for Sk in (16, 128 if args.quick else 1024)]
     long_prompt = 128 if args.quick else 2048
     for kind in args.models:
         timed, implementations = model(kind, args.quick)
-        rows += [generate_level(kind, timed, implementations, prompt, 2 if args.quick else 32, repeats)
+        rows += [generate_level(kind, timed, implementations, prompt, 2 if args.quick else 32, rounds)
                  for prompt in (32, long_prompt)]
         del timed
 
     info = bench.header() | {"loadavg_1min": os.getloadavg()[0]}
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    print(f"medians of {repeats} interleaved samples, torch.no_grad, fp32")
+    print(f"medians of {repeats} interleaved samples per call shape and of the token intervals of {rounds} rounds "
+          f"of each generate, torch.no_grad, fp32")
     shown = set()
     for r in rows:
         if r["section"] == "generate" and r["model"] not in shown:
