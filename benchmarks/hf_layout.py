@@ -1,7 +1,7 @@
 """What the traced Hugging Face layout costs: attention on a batch as eager mode describes it against
 the fixed-shape description a compiled model uses.
 
-    python benchmarks/hf_layout.py [--json FILE] [--repeats N] [--quick]
+    python benchmarks/hf_layout.py [--json FILE] [--repeats N] [--threads N] [--quick]
 
 Eager mode reads the layout back (``sinkattn.hf.layout.exact``): a dense batch runs as
 ``sink_attn_func``, a row packing documents by ``position_ids`` as ``sink_attn_varlen_func`` over
@@ -62,8 +62,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="smoke run: two tiny batches, 1 repeat")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = 1 if args.quick else args.repeats
     info = bench.header()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))

@@ -119,7 +119,9 @@ def test_decode_benchmark_quick(tmp_path):
     assert {(r["B"], r["Sk"]) for r in calls} == {(1, 16), (1, 128), (4, 16), (4, 128)}
     assert all(r["seconds"][p]["wall"] > 0 for r in calls for p in ("sinkattn", "sdpa", "eager"))
     generated = [r for r in report["rows"] if r["section"] == "generate"]
-    assert [r["prompt"] for r in generated] == [32, 128] and all(r["same_tokens"] for r in generated)
+    assert [(r["model"], r["prompt"]) for r in generated] == [
+        ("tiny", 32), ("tiny", 128), ("gpt-oss attention", 32), ("gpt-oss attention", 128)]
+    assert all(r["same_tokens"] for r in generated)
     assert "vs sdpa" in stdout and "x eager" in stdout
 
 

@@ -24,12 +24,8 @@ ELIGIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes autocast casts (its ``is_eligible``: floating point, not float64)."""
 
 
-def _autocast_dtype(x) -> torch.dtype | None:
-    """The dtype autocast casts ``x`` to, or None when it leaves ``x`` alone (not a tensor, not an
-    eligible dtype, autocast off for its device type)."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in ELIGIBLE_DTYPES:
-        return None
-    device_type = x.device.type
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts eligible tensors on ``device_type`` to, or None when it is off there."""
     if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
         return None
     return torch.get_autocast_dtype(device_type)
@@ -37,11 +33,21 @@ def _autocast_dtype(x) -> torch.dtype | None:
 
 def autocast_inputs(q, k, v):
     """``(q, k, v)`` as autocast's lower-precision rule casts them (see the module doc); each one
-    unchanged outside autocast or when not eligible (anything else is left for validation to refuse)."""
-    cast = []
+    unchanged outside autocast or when not eligible (anything else is left for validation to refuse).
+    Autocast's state is read once per device type, or once in all outside traced code (a decoding step's
+    attention costs a few tens of microseconds)."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return q, k, v
+    cast, dtypes = [], {}
     for x in (q, k, v):
-        dtype = _autocast_dtype(x)
-        cast.append(x if dtype is None else x.to(dtype))
+        if isinstance(x, torch.Tensor) and x.dtype in ELIGIBLE_DTYPES:
+            device_type = x.device.type
+            if device_type not in dtypes:
+                dtypes[device_type] = _autocast_dtype(device_type)
+            dtype = dtypes[device_type]
+            if dtype is not None:
+                x = x.to(dtype)
+        cast.append(x)
     return tuple(cast)
 
 

@@ -48,7 +48,10 @@ def _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend):
             q.device.type):        # under autocast the op's body runs the backend with autocast off
         return None
     result = dense(q, k, v, sinks, softmax_scale, left, right)
-    return None if result is None else (result[0].to(q.dtype), result[1])
+    if result is None:
+        return None
+    out, lse = result
+    return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

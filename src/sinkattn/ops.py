@@ -47,7 +47,10 @@ def is_plain_eager(*tensors) -> bool:
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
     grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) in _PLAIN and not (grad and t.requires_grad) and not t.is_meta) for t in tensors)
+    for t in tensors:              # a loop, not all(<generator>): this runs once per decoding step
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad) or t.is_meta):
+            return False
+    return True
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

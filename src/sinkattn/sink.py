@@ -34,7 +34,7 @@ def key_mass(lse_keys: torch.Tensor, lse: torch.Tensor, rows_have_keys: bool = F
     the lowest fp32 number so that ``-inf - (-inf)`` (no key, no sink) is never formed, unless the
     caller knows that no ``lse_keys`` is ``-inf`` (``rows_have_keys``; the values are the same).
     """
-    return torch.exp(lse_keys - (lse if rows_have_keys else lse.clamp(min=_LOWEST)))
+    return torch.sub(lse_keys, lse if rows_have_keys else lse.clamp(min=_LOWEST)).exp_()
 
 
 def sink_mass(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _tensor(name: str, x, rank: int, layout: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {_type_name(x)}")
     _dense(name, x)
-    if not x.dtype.is_floating_point or x.dtype not in FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
     if x.dim() != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(x.shape)}")
@@ -71,16 +71,17 @@ def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
     _tensor("q", q, rank, layout_q)
     _tensor("k", k, rank, layout_kv)
     _tensor("v", v, rank, layout_kv)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape {layout_kv}, got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if token_dims == 2 and k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k must have the same batch size B, got q {q.shape[0]}, k {k.shape[0]}")
-    HQ, D = q.shape[-2], q.shape[-1]
-    HKV, Dk = k.shape[-2], k.shape[-1]
+    dtype, device, q_shape, k_shape = q.dtype, q.device, q.shape, k.shape
+    if k.dtype != dtype or v.dtype != dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {dtype}, k {k.dtype}, v {v.dtype}")
+    if k.device != device or v.device != device:
+        raise ValueError(f"q, k and v must be on one device, got q {device}, k {k.device}, v {v.device}")
+    if k_shape != v.shape:
+        raise ValueError(f"k and v must have the same shape {layout_kv}, got k {tuple(k_shape)}, v {tuple(v.shape)}")
+    if token_dims == 2 and k_shape[0] != q_shape[0]:
+        raise ValueError(f"q and k must have the same batch size B, got q {q_shape[0]}, k {k_shape[0]}")
+    HQ, D = q_shape[-2], q_shape[-1]
+    HKV, Dk = k_shape[-2], k_shape[-1]
     if Dk != D:
         raise ValueError(f"q and k must have the same head dim D, got q {D}, k {Dk}")
     if not 1 <= D <= MAX_HEAD_DIM:

@@ -16,7 +16,6 @@ importing anything; the backends themselves run inside the custom ops (``sinkatt
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from types import ModuleType
 
@@ -63,7 +62,7 @@ def choose(backend: str, call: Call) -> str:
     else:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {backend!r}")
     if call.device_type == "meta":
-        call = dataclasses.replace(call, device_type=min(describe(name).device_types))
+        call = call._replace(device_type=min(describe(name).device_types))
     reason = describe(name).why_not(call)
     if reason is not None:
         raise NotImplementedError(reason)

@@ -125,14 +125,12 @@ def forward_dense(q, k, v, sinks, softmax_scale, left, right):
         return None
     if part.causal and nonfinite.present(v32):     # its diagonal tiles would carry them to rows that do not see them
         return None
-    o, lse_keys = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
-                                                part, softmax_scale)
-    out = o.transpose(1, 2)                  # laid out as q is: contiguous for tokens-first q and for Sq = 1
-    if sinks is None:
-        return out.contiguous(), lse_keys
-    lse = sink.lse_with_sink(lse_keys, sinks)
-    out *= sink.key_mass(lse_keys, lse, rows_have_keys=True).transpose(1, 2)[..., None]   # finite q, k: finite lse_keys
-    return out.contiguous(), lse
+    o, lse = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
+                                           part, softmax_scale)                  # [B, HQ, Sq, D], [B, HQ, Sq]
+    if sinks is not None:
+        lse_keys, lse = lse, sink.lse_with_sink(lse, sinks)
+        o.mul_(sink.key_mass(lse_keys, lse, rows_have_keys=True).unsqueeze(-1))   # finite q, k: finite lse_keys
+    return o.transpose(1, 2).contiguous(), lse     # o is laid out as q: contiguous for tokens-first q and Sq = 1
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,

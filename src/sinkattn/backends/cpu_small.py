@@ -31,9 +31,10 @@ __all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH"]
 SHORT_LENGTH = 16
 """Sequences with at most this many queries and keys are batched here. Measured by
 ``benchmarks/packing.py`` (its threshold section: fwd+bwd per visible pair against 1024-token
-sequences, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): at L = 2 / 8 / 16
-batched 54x / 17x / 12x, one kernel call per sequence 322x / 43x / 16x; at L = 24 one call each
-(8.0x) beats the batch (10.1x). Decoding rows against hundreds of keys are cheaper one call each too."""
+sequences, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): at L = 2 / 8
+batched 49x / 28x, one kernel call per sequence 291x / 42x; from L = 16 on the two are within the
+shared machine's noise of each other (docs/benchmarks.md, ``benchmarks/results/packing-cpu-2core.json``).
+Decoding rows against hundreds of keys are cheaper one call each too."""
 
 
 def padded_length(L: torch.Tensor) -> torch.Tensor:

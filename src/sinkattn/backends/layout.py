@@ -75,7 +75,7 @@ def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, small=None) ->
     dense = _dense(cq, ck)
     if dense is not None:      # one kernel call takes it, decoding and short sequences too
         return Split(runs=[dense])
-    starts_q, starts_k = torch.tensor(cq, dtype=torch.int64), torch.tensor(ck, dtype=torch.int64)
+    starts_q, starts_k = cu_seqlens_q.to(torch.int64), cu_seqlens_k.to(torch.int64)   # not from the lists: slow
     Lq, Lk = starts_q.diff(), starts_k.diff()
     has_rows = Lq > 0
     chosen = has_rows & small(Lq, Lk) if small is not None else torch.zeros_like(has_rows)

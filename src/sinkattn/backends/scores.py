@@ -52,6 +52,6 @@ def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float
     overflows); 0 without tokens."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    norm_q, norm_k = torch.stack(torch._foreach_norm([q, k])).tolist()
-    bound = abs(softmax_scale) * norm_q * norm_k
+    norm_q, norm_k = torch._foreach_norm([q, k])
+    bound = abs(softmax_scale) * float(norm_q) * float(norm_k)
     return bound if bound == bound else math.inf
