@@ -4,9 +4,13 @@ heads <= 4, D <= 32) so the interpreter stays within CI's budget."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from sinkattn import masks, sink_attn_varlen_func
 from sinkattn.testing import cases, verify
 from sinkattn.backends import triton as triton_backend
+from sinkattn.backends.triton import kernels, schedule
 from conftest import DEVICE, describe
 
 
@@ -51,20 +55,6 @@ def test_compensated_backward_is_more_accurate(dtype, monkeypatch):
         assert errors[True][name] < errors[False][name], (name, errors)
 
 
-def test_kernels_compile_for_ampere_and_hopper():
-    """The interpreter is lenient; this builds the kernels with Triton's GPU compiler (no GPU needed)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("triton_aot.py")
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 4
-
-
 def test_compensated_flag_must_be_a_bool(monkeypatch):
     monkeypatch.setattr(triton_backend, "COMPENSATED", None)
     result = verify.run_case(_small(cases.cases("L0")[0]), "triton", device=DEVICE)
@@ -89,3 +79,70 @@ def test_launch_sized_by_max_seqlen_equals_reading_cu_seqlens(bounds):
         results.append([out, lse, *grads])
     assert not any(t.isnan().any() for t in results[1])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+SCHEDULE_SHAPES = [(37, 37), (20, 45), (45, 20), (1, 30), (30, 1), (16, 16)]
+SCHEDULE_WINDOWS = [(-1, -1), (-1, 0), (7, 0), (0, 0), (5, 9), (-1, 3), (12, -1)]
+
+
+@pytest.mark.parametrize("Lq,Lk", SCHEDULE_SHAPES)
+@pytest.mark.parametrize("left,right", SCHEDULE_WINDOWS)
+def test_unmasked_blocks_are_exactly_the_fully_visible_ones(Lq, Lk, left, right):
+    """The kernels' block split (mirrored in ``schedule``) against ``masks.visible``: the blocks a tile
+    visits hold every visible pair, and the ones it runs without the mask are exactly those every
+    row of the tile sees whole (rows past the end count as seeing all: their ``P`` is 0 unmasked)."""
+    vis = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    for PM, BN in [(1, 4), (3, 8), (8, 8), (16, 4)]:          # forward / dQ tiles of PM positions
+        for p0 in range(0, Lq, PM):
+            p1 = min(p0 + PM, Lq)
+            b0, b1, i0, i1 = schedule.query_tile_blocks(p0, p1, Lq, Lk, left, right, BN)
+            seen = vis[p0:p1].nonzero()[:, 1]
+            assert all(b0 * BN <= j < b1 * BN for j in seen.tolist())
+            for b in range(b0, b1):
+                block = vis[p0:p1, b * BN:(b + 1) * BN]
+                whole = (b + 1) * BN <= Lk and bool(block.all())
+                assert (i0 <= b < i1) == whole, (p0, b, (b0, b1, i0, i1))
+    for BM, BN in [(4, 1), (8, 3), (8, 8), (4, 16)]:          # dK/dV programs of BN keys
+        for n0 in range(0, Lk, BN):
+            n1 = min(n0 + BN, Lk)
+            b0, b1, i0, i1 = schedule.key_block_rows(n0, n1, Lq, Lk, left, right, BM)
+            seen = vis[:, n0:n1].nonzero()[:, 0]
+            assert all(b0 * BM <= i < b1 * BM for i in seen.tolist())
+            for b in range(b0, b1):
+                whole = bool(vis[b * BM:min((b + 1) * BM, Lq), n0:n1].all())
+                assert (i0 <= b < i1) == whole, (n0, b, (b0, b1, i0, i1))
+
+
+@triton.jit
+def _lpt_probe(OUT, chunk, N, HT, NB, CHUNK: tl.constexpr):
+    block, seq, head_tile = kernels._lpt_program(chunk, N, HT, NB, CHUNK)
+    pid = tl.program_id(0)
+    tl.store(OUT + 3 * pid, block)
+    tl.store(OUT + 3 * pid + 1, seq)
+    tl.store(OUT + 3 * pid + 2, head_tile)
+
+
+def test_programs_start_with_the_last_blocks_of_every_sequence():
+    """Longest-processing-time order: program ``pid`` gets every (block, sequence, head tile) once,
+    blocks from the last down, all sequences and head tiles of a block before the next."""
+    N, HT, NB = 3, 2, 5
+    out = torch.full((NB * N * HT, 3), -1, dtype=torch.int32, device=DEVICE)
+    _lpt_probe[(NB * N * HT,)](out, 0, N, HT, NB, CHUNK=kernels.CHUNK)
+    got = [tuple(r) for r in out.tolist()]
+    assert sorted(got) == sorted((b, s, h) for b in range(NB) for s in range(N) for h in range(HT))
+    assert [b for b, _, _ in got] == sorted((b for b, _, _ in got), reverse=True)
+
+
+def test_launches_in_chunks_give_bitwise_the_same_results(monkeypatch):
+    """A grid past ``kernels.CHUNK`` programs launches in chunks; the programs' order and partition
+    change nothing (no atomics): outputs and gradients bitwise equal."""
+    case = cases.Case("L2", 4, 2, (37, 0, 20), (30, 4, 20), D=16, window_size=(9, 0))
+    runs = []
+    for chunk in (kernels.CHUNK, 7):
+        monkeypatch.setattr(kernels, "CHUNK", chunk)
+        x = case.make(DEVICE)
+        leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.sinks)]
+        out = sink_attn_varlen_func(*leaves[:3], x.cu_seqlens_q, x.cu_seqlens_k, x.max_seqlen_q, x.max_seqlen_k,
+                                    sinks=leaves[3], causal=True, window_size=(9, 0), backend="triton")
+        runs.append([out, *torch.autograd.grad(out, leaves, x.do)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
