@@ -146,3 +146,11 @@ def test_launches_in_chunks_give_bitwise_the_same_results(monkeypatch):
                                     sinks=leaves[3], causal=True, window_size=(9, 0), backend="triton")
         runs.append([out, *torch.autograd.grad(out, leaves, x.do)])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("HQ,G", [(6, 3), (12, 6)], ids=["g3", "g6"])
+def test_groups_that_do_not_fill_the_packed_tile(HQ, G):
+    """GQA packing with a group size that does not divide the tile's rows (some rows idle)."""
+    case = cases.Case("L2", HQ, G, (21, 0, 9), (21, 3, 12), D=16, window_size=(6, 0), lse_grad=True)
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)

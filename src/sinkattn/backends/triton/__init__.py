@@ -12,10 +12,10 @@ without the mask; programs start in longest-processing-time order (``kernels`` s
 No atomics: results are bitwise reproducible. Tiles per GPU generation: ``config``; the
 launches themselves: ``launch``.
 
-Head dims 1-256 run (padded inside the kernels to the next power of two, at
-least 16). fp32 inputs use IEEE fp32 dot products; fp16 / bf16 inputs split each
-fp32 ``P`` / ``dS`` tile that meets them in a product into ``hi`` and ``lo`` parts
-(``COMPENSATED``, docs/contract.md §3 "Compensated products").
+Head dims 1-256 run (tensors padded with zeros to the next power of two, at least 16, outside the
+kernels: the kernels need no column mask). fp32 inputs use IEEE fp32
+dot products; fp16 / bf16 inputs split each fp32 ``P`` / ``dS`` tile that meets them in a product
+into ``hi`` and ``lo`` parts (``COMPENSATED``, docs/contract.md §3 "Compensated products").
 """
 
 from __future__ import annotations
@@ -81,6 +81,25 @@ def _sinks_or_minus_inf(sinks, HQ, device):
     return sinks.float().contiguous()
 
 
+def _kernel_layout(*tensors) -> list:
+    """Contiguous, 16-byte aligned, ``[T, H, D]`` tensors padded with zeros to ``D = BLOCK_D`` (the next
+    power of two, at least 16): what the kernels assume (``kernels.NO_SPECIALIZE``), so one compiled
+    kernel serves every call of a head-dim class. Zero columns add nothing to ``Q K^T`` and give zero
+    columns in ``O``, ``dQ``, ``dK``, ``dV``, which are cut off again (``_unpadded``)."""
+    out = []
+    for t in buffers.contiguous(*tensors):
+        if t is not None and t.dim() == 3 and t.shape[-1] != config.block_d(t.shape[-1]):
+            t = torch.nn.functional.pad(t, (0, config.block_d(t.shape[-1]) - t.shape[-1]))
+        if t is not None and t.data_ptr() % 16:
+            t = t.clone()
+        out.append(t)
+    return out
+
+
+def _unpadded(t: torch.Tensor, D: int) -> torch.Tensor:
+    return t if t.shape[-1] == D else t[..., :D].contiguous()
+
+
 def _max_lens(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
               max_seqlen) -> tuple[int, int]:
     """Bounds of the longest query and key sequence, which size the launch grids: from ``max_seqlen``
@@ -94,11 +113,12 @@ def _max_lens(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_s
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
     (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     check_fp32_range(score_bound(q, k, softmax_scale), q, k)       # the kernels' scores are fp32
-    Tq, HQ, D = q.shape
+    D = q.shape[2]
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    Tq, HQ, BLOCK_D = q.shape
     N = cu_seqlens_q.numel() - 1
-    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
+    out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
     lse = buffers.new((HQ, Tq), torch.float32, q.device)
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
     log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
@@ -107,16 +127,17 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
         launch.forward(q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q,
                        cu_seqlens_k, softmax_scale, left, right, max_q, config.chip_for(q.device),
                        _compensated(q.dtype), _upcast(q.dtype))()
-    return out, lse, (m2, log2_l)
+    return _unpadded(out, D), lse, (m2, log2_l)
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
              extra, max_seqlen=None):
     """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
-    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(
+    D = q.shape[2]
+    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = _kernel_layout(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
-    m2, log2_l = buffers.contiguous(*extra)
-    Tq, HQ, D = q.shape
+    m2, log2_l = _kernel_layout(*extra)
+    Tq, HQ, _ = q.shape
     Tk = k.shape[0]
     N = cu_seqlens_q.numel() - 1
     dq = buffers.new(q.shape, torch.float32, q.device)
@@ -138,4 +159,4 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
         launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_k, chip,
                     compensated, upcast)()
     dsinks = sink.dsinks_from(sinks, lse, delta) if sinks is not None else None
-    return dq, dk, dv, dsinks
+    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, D), dsinks

@@ -135,7 +135,8 @@ def blocks_for(chip: str | None, kernel: str, head_dim: int, dtype: torch.dtype)
 
 
 def pack_heads(G: int, BM: int) -> int:
-    """``GH``: query heads per tile of the forward and dQ kernels, the largest power of two that
-    divides ``G`` and is at most ``BM``. The tile's ``BM`` rows are then ``BM // GH`` positions
-    of ``GH`` heads of one KV head, and each K/V tile it loads serves all of them."""
-    return min(G & -G, BM)
+    """``GH``: query heads per tile of the forward and dQ kernels, the largest divisor of ``G`` that
+    is at most ``BM``. The tile's rows are then ``BM // GH`` positions of ``GH`` heads of one KV head
+    (``BM mod GH`` rows idle), and each K/V tile it loads serves all of them: the whole group
+    whenever ``G <= BM``."""
+    return max(d for d in range(1, min(G, BM) + 1) if G % d == 0)

@@ -1,6 +1,7 @@
 """Triton kernels of the GPU backend (launched from ``sinkattn.backends.triton``).
 
-Layouts (packed): ``Q/O/dO [Tq, HQ, D]``, ``K/V [Tk, HKV, D]``, statistics
+Layouts (packed): ``Q/O/dO [Tq, HQ, BLOCK_D]``, ``K/V [Tk, HKV, BLOCK_D]`` (the head dim padded
+with zeros to ``BLOCK_D``, a power of two, by the launchers), statistics
 ``[HQ, Tq]`` fp32, ``CU_Q/CU_K int32 [N+1]``. Query head ``h`` reads KV head
 ``h // G``. Scores run in base 2 (``scale_log2 = softmax_scale * log2(e)``,
 sinks and lse converted at the edges); all statistics and accumulators fp32.
@@ -30,10 +31,14 @@ LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(LN2)        # the same constants, as kernels may read globals
 _LOG2E = tl.constexpr(LOG2E)
 
-NO_SPECIALIZE = ("left", "right", "G", "GH", "N", "HT", "NB", "chunk", "stride_lh", "T")
-"""Integer arguments Triton must not specialize on (value 1, multiples of 16): their values change
-from call to call without changing the kernel, and each specialization would be another compile
-(and another configuration for the resource audit to cover)."""
+NO_SPECIALIZE = ("left", "right", "G", "GH", "N", "HT", "NB", "chunk", "T", "stride_qt", "stride_qh",
+                 "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_dot",
+                 "stride_doh", "stride_dqt", "stride_dqh", "stride_dkt", "stride_dkh", "stride_dvt", "stride_dvh",
+                 "stride_lh")
+"""Integer arguments Triton must not specialize on (value 1, multiples of 16): each specialization
+would be another compile, and another configuration for the resource audit to cover. What the
+loads need instead is stated once: the launchers pad the head dim to ``BLOCK_D`` (a power of two,
+at least 16), so every row stride is a multiple of 16 elements (``_offsets``)."""
 
 
 @triton.jit
@@ -100,35 +105,45 @@ def _sequence(CU_Q, CU_K, seq):
 
 
 @triton.jit
-def _packed_rows(block, ht, G, GH, BM: tl.constexpr):
+def _packed_rows(block, ht, G, GH, Lq, BM: tl.constexpr):
     """Rows of a GQA-packed tile: ``(pos [BM], h [BM], kvh, p0, PM)``. Head tile ``ht`` holds
-    ``GH`` of the ``G`` query heads of KV head ``kvh``; the tile's ``BM`` rows are its
-    ``PM = BM // GH`` positions ``p0 .. p0 + PM - 1`` times those heads, position-major."""
+    ``GH`` (a divisor of ``G``) of the ``G`` query heads of KV head ``kvh``; the tile's rows are its
+    ``PM = BM // GH`` positions ``p0 .. p0 + PM - 1`` times those heads, position-major. Rows past
+    ``PM * GH`` (when ``GH`` does not divide ``BM``) get position ``Lq``, past the sequence: idle."""
     r = tl.arange(0, BM)
     tiles = G // GH
     kvh = ht // tiles
     PM = BM // GH
     p0 = block * PM
-    return p0 + r // GH, kvh * G + (ht % tiles) * GH + r % GH, kvh, p0, PM
+    pos = tl.where(r < PM * GH, p0 + r // GH, Lq)
+    return pos, kvh * G + (ht % tiles) * GH + r % GH, kvh, p0, PM
 
 
 @triton.jit
 def _offsets(t0, rows, stride_t, head, stride_h, d):
-    """``[len(rows), BLOCK_D]`` element offsets of tokens ``t0 + rows`` of ``head`` (one, or one per row)."""
-    return ((t0 + rows).to(tl.int64) * stride_t + head * stride_h)[:, None] + d[None, :]
+    """``[len(rows), BLOCK_D]`` element offsets of tokens ``t0 + rows`` of ``head`` (one, or one per row);
+    each row starts at a multiple of 16 elements (strides are multiples of the padded head dim)."""
+    start = tl.multiple_of((t0 + rows).to(tl.int64) * stride_t + head * stride_h, 16)
+    return start[:, None] + d[None, :]
 
 
 @triton.jit
-def _load_rows(ptr, t0, rows, L, stride_t, head, stride_h, d, D):
-    """``[len(rows), BLOCK_D]`` tile of tokens ``t0 + rows``, 0 outside ``L`` / ``D``."""
-    return tl.load(ptr + _offsets(t0, rows, stride_t, head, stride_h, d),
-                   mask=(rows < L)[:, None] & (d < D)[None, :], other=0.0)
+def _tile_mask(rows, L, d):
+    """Rows below ``L``, every column: the launchers pad the head dim to ``BLOCK_D`` (no column mask,
+    so every load is whole 16-byte vectors and can be a pipelined asynchronous copy)."""
+    return (rows < L)[:, None] & (d < d.shape[0])[None, :]
 
 
 @triton.jit
-def _store_rows(ptr, value, t0, rows, L, stride_t, head, stride_h, d, D):
+def _load_rows(ptr, t0, rows, L, stride_t, head, stride_h, d):
+    """``[len(rows), BLOCK_D]`` tile of tokens ``t0 + rows``, 0 past ``L``."""
+    return tl.load(ptr + _offsets(t0, rows, stride_t, head, stride_h, d), mask=_tile_mask(rows, L, d), other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, t0, rows, L, stride_t, head, stride_h, d):
     tl.store(ptr + _offsets(t0, rows, stride_t, head, stride_h, d), value.to(ptr.dtype.element_ty),
-             mask=(rows < L)[:, None] & (d < D)[None, :])
+             mask=_tile_mask(rows, L, d))
 
 
 @triton.jit
@@ -159,13 +174,13 @@ def _mma(a, b, acc, COMPENSATED: tl.constexpr, PRECISION: tl.constexpr, UPCAST: 
 
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, n, kvh, stride_kt, stride_kh, stride_vt, stride_vh, d, D,
+def _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, n, kvh, stride_kt, stride_kh, stride_vt, stride_vh, d,
                lo_r, hi_r, scale_log2, BN: tl.constexpr, PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
                UPCAST: tl.constexpr, MASKED: tl.constexpr):
     """One key block ``[n, n + BN)`` of the online softmax; ``MASKED`` applies the row bounds."""
     cols = n + tl.arange(0, BN)
-    k = _load_rows(K, k0, cols, Lk, stride_kt, kvh, stride_kh, d, D)          # [BN, BLOCK_D]
-    v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d, D)          # [BN, BLOCK_D]
+    k = _load_rows(K, k0, cols, Lk, stride_kt, kvh, stride_kh, d)          # [BN, BLOCK_D]
+    v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d)          # [BN, BLOCK_D]
     s = _dot(q, tl.trans(k), tl.zeros([q.shape[0], BN], tl.float32), PRECISION, UPCAST) * scale_log2
     if MASKED:
         s = tl.where((cols[None, :] >= lo_r[:, None]) & (cols[None, :] < hi_r[:, None]), s, float("-inf"))
@@ -181,7 +196,7 @@ def _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, n, kvh, stride_kt, stride_kh, str
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-               stride_lh, scale_log2, left, right, D, G, GH, N, HT, NB, chunk, CHUNK: tl.constexpr,
+               stride_lh, scale_log2, left, right, G, GH, N, HT, NB, chunk, CHUNK: tl.constexpr,
                BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
                COMPENSATED: tl.constexpr, UPCAST: tl.constexpr):
     """One program: a GQA-packed tile of ``BM`` rows (``BM // GH`` positions of one sequence times
@@ -197,7 +212,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
     """
     block, seq, ht = _lpt_program(chunk, N, HT, NB, CHUNK)
     q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
-    pos, h, kvh, p0, PM = _packed_rows(block, ht, G, GH, BM)
+    pos, h, kvh, p0, PM = _packed_rows(block, ht, G, GH, Lq, BM)
     if p0 >= Lq:
         return
     d = tl.arange(0, BLOCK_D)
@@ -208,7 +223,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
     lo_all, hi_any = _row_key_bounds(p_last, Lq, Lk, left, right)
     b0, b1, i0, i1 = _block_split(lo_any, hi_any, lo_all, hi_all, BN)
 
-    q = _load_rows(Q, q0, pos, Lq, stride_qt, h, stride_qh, d, D)               # [BM, BLOCK_D]
+    q = _load_rows(Q, q0, pos, Lq, stride_qt, h, stride_qh, d)               # [BM, BLOCK_D]
     sink = tl.load(SINKS + h).to(tl.float32)                                     # [BM]; -inf: no sinks
     finite = (sink == sink) & (sink != float("inf")) & (sink != float("-inf"))
     m_i = tl.where(finite, sink * _LOG2E, float("-inf"))
@@ -216,11 +231,11 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
     acc = tl.zeros([BM, BLOCK_D], tl.float32)
     for n in range(i0 * BN, i1 * BN, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, n, kvh, stride_kt, stride_kh, stride_vt,
-                                   stride_vh, d, D, lo_r, hi_r, scale_log2, BN, PRECISION, COMPENSATED, UPCAST,
+                                   stride_vh, d, lo_r, hi_r, scale_log2, BN, PRECISION, COMPENSATED, UPCAST,
                                    MASKED=False)
     for t in range(0, (i0 - b0) + (b1 - i1)):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, _cut_block(t, b0, i0, i1) * BN, kvh,
-                                   stride_kt, stride_kh, stride_vt, stride_vh, d, D, lo_r, hi_r, scale_log2, BN,
+                                   stride_kt, stride_kh, stride_vt, stride_vh, d, lo_r, hi_r, scale_log2, BN,
                                    PRECISION, COMPENSATED, UPCAST, MASKED=True)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = (m_i + tl.log2(l_i)) * _LN2
@@ -234,7 +249,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
     o = tl.where((row_has_key & sink_nan)[:, None], float("nan"), o)
     lse = tl.where(sink_nan, float("nan"), lse)
     log2_l = tl.where(sink_nan, float("nan"), log2_l)
-    _store_rows(O, o, q0, pos, Lq, stride_ot, h, stride_oh, d, D)
+    _store_rows(O, o, q0, pos, Lq, stride_ot, h, stride_oh, d)
     stat = _stat_offsets(h, stride_lh, q0, pos)
     tl.store(LSE + stat, lse, mask=pos < Lq)
     tl.store(M2 + stat, m_i, mask=pos < Lq)
@@ -242,14 +257,14 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
-def delta_kernel(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh, D,
+def delta_kernel(O, DO, DLSE, DELTA, T, stride_ot, stride_oh, stride_dot, stride_doh, stride_lh,
                  HAS_DLSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """``Delta[h, t] = <dO[t, h], O[t, h]> - dlse[h, t]`` in fp32."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    o = _load_rows(O, 0, t, T, stride_ot, h, stride_oh, d, D).to(tl.float32)
-    do = _load_rows(DO, 0, t, T, stride_dot, h, stride_doh, d, D).to(tl.float32)
+    o = _load_rows(O, 0, t, T, stride_ot, h, stride_oh, d).to(tl.float32)
+    do = _load_rows(DO, 0, t, T, stride_dot, h, stride_doh, d).to(tl.float32)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + _stat_offsets(h, stride_lh, 0, t), mask=t < T, other=0.0)
@@ -274,13 +289,13 @@ def _probabilities(q, k, m2, log2_l, rows, cols, Lq, Lk, left, right, scale_log2
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, Q, DO, M2, L2, DELTA, q0, Lq, Lk, m, h, cols, stride_qt, stride_qh, stride_dot,
-                stride_doh, stride_lh, d, D, left, right, scale_log2, BM: tl.constexpr, PRECISION: tl.constexpr,
+                stride_doh, stride_lh, d, left, right, scale_log2, BM: tl.constexpr, PRECISION: tl.constexpr,
                 COMPENSATED: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr):
     """Rows ``[m, m + BM)`` of query head ``h`` against the program's keys. (Forming ``S^T = K Q^T``
     instead would spare the transposes, but makes K and V register operands: more registers.)"""
     rows = m + tl.arange(0, BM)
-    q = _load_rows(Q, q0, rows, Lq, stride_qt, h, stride_qh, d, D)             # [BM, BLOCK_D]
-    do = _load_rows(DO, q0, rows, Lq, stride_dot, h, stride_doh, d, D)         # [BM, BLOCK_D]
+    q = _load_rows(Q, q0, rows, Lq, stride_qt, h, stride_qh, d)             # [BM, BLOCK_D]
+    do = _load_rows(DO, q0, rows, Lq, stride_dot, h, stride_doh, d)         # [BM, BLOCK_D]
     stat = _stat_offsets(h, stride_lh, q0, rows)
     m2 = tl.load(M2 + stat, mask=rows < Lq, other=0.0)
     log2_l = tl.load(L2 + stat, mask=rows < Lq, other=float("inf"))
@@ -298,7 +313,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, M2, L2, DELTA, q0, Lq, Lk, m, h, cols, stri
 def dkdv_kernel(Q, K, V, DO, M2, L2, DELTA, DK, DV, CU_Q, CU_K,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                 stride_lh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, scale_log2, softmax_scale,
-                left, right, D, G, N, HT, NB, chunk, CHUNK: tl.constexpr,
+                left, right, G, N, HT, NB, chunk, CHUNK: tl.constexpr,
                 BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 PRECISION: tl.constexpr, COMPENSATED: tl.constexpr, UPCAST: tl.constexpr):
     """One program: a block of ``BN`` keys of one KV head. Loops over the group's ``G`` query heads
@@ -317,8 +332,8 @@ def dkdv_kernel(Q, K, V, DO, M2, L2, DELTA, DK, DV, CU_Q, CU_K,
         return
     cols = n_start + tl.arange(0, BN)
     d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K, k0, cols, Lk, stride_kt, kvh, stride_kh, d, D)             # [BN, BLOCK_D]
-    v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d, D)             # [BN, BLOCK_D]
+    k = _load_rows(K, k0, cols, Lk, stride_kt, kvh, stride_kh, d)             # [BN, BLOCK_D]
+    v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d)             # [BN, BLOCK_D]
     dk = tl.zeros([BN, BLOCK_D], tl.float32)
     dv = tl.zeros([BN, BLOCK_D], tl.float32)
     # Rows past Lq give P = 0 unmasked (see _probabilities): a block reaching Lq can be interior.
@@ -330,25 +345,25 @@ def dkdv_kernel(Q, K, V, DO, M2, L2, DELTA, DK, DV, CU_Q, CU_K,
         h = kvh * G + g
         for m in range(i0 * BM, i1 * BM, BM):
             dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, M2, L2, DELTA, q0, Lq, Lk, m, h, cols, stride_qt, stride_qh,
-                                 stride_dot, stride_doh, stride_lh, d, D, left, right, scale_log2, BM, PRECISION,
+                                 stride_dot, stride_doh, stride_lh, d, left, right, scale_log2, BM, PRECISION,
                                  COMPENSATED, UPCAST, MASKED=False)
         for t in range(0, (i0 - b0) + (b1 - i1)):
             dk, dv = _dkdv_block(dk, dv, k, v, Q, DO, M2, L2, DELTA, q0, Lq, Lk, _cut_block(t, b0, i0, i1) * BM, h,
-                                 cols, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, d, D, left, right,
+                                 cols, stride_qt, stride_qh, stride_dot, stride_doh, stride_lh, d, left, right,
                                  scale_log2, BM, PRECISION, COMPENSATED, UPCAST, MASKED=True)
-    _store_rows(DK, dk * softmax_scale, k0, cols, Lk, stride_dkt, kvh, stride_dkh, d, D)
-    _store_rows(DV, dv, k0, cols, Lk, stride_dvt, kvh, stride_dvh, d, D)
+    _store_rows(DK, dk * softmax_scale, k0, cols, Lk, stride_dkt, kvh, stride_dkh, d)
+    _store_rows(DV, dv, k0, cols, Lk, stride_dvt, kvh, stride_dvh, d)
 
 
 @triton.jit
 def _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, n, pos, Lq, Lk, kvh, stride_kt, stride_kh, stride_vt,
-              stride_vh, d, D, left, right, scale_log2, BN: tl.constexpr, PRECISION: tl.constexpr,
+              stride_vh, d, left, right, scale_log2, BN: tl.constexpr, PRECISION: tl.constexpr,
               COMPENSATED: tl.constexpr, UPCAST: tl.constexpr, MASKED: tl.constexpr, DELTA_PASS: tl.constexpr):
     """Key block ``[n, n + BN)`` for the tile's rows: the ``Delta = sum_j P dP`` pass adds to
     ``delta``, the gradient pass adds ``dS K`` to ``dq``."""
     cols = n + tl.arange(0, BN)
-    k = _load_rows(K, k0, cols, Lk, stride_kt, kvh, stride_kh, d, D)             # [BN, BLOCK_D]
-    v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d, D)             # [BN, BLOCK_D]
+    k = _load_rows(K, k0, cols, Lk, stride_kt, kvh, stride_kh, d)             # [BN, BLOCK_D]
+    v = _load_rows(V, k0, cols, Lk, stride_vt, kvh, stride_vh, d)             # [BN, BLOCK_D]
     p = _probabilities(q, k, m2, log2_l, pos, cols, Lq, Lk, left, right, scale_log2, PRECISION, UPCAST,
                        MASKED)                                                  # [BM, BN]
     dp = _dot(do, tl.trans(v), tl.zeros([q.shape[0], BN], tl.float32), PRECISION, UPCAST)
@@ -362,7 +377,7 @@ def _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, n, pos, Lq, Lk, kvh, strid
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
 def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-              stride_lh, stride_dqt, stride_dqh, scale_log2, softmax_scale, left, right, D, G, GH, N, HT, NB,
+              stride_lh, stride_dqt, stride_dqh, scale_log2, softmax_scale, left, right, G, GH, N, HT, NB,
               chunk, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               PRECISION: tl.constexpr, COMPENSATED: tl.constexpr, UPCAST: tl.constexpr,
               EXACT_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr):
@@ -375,7 +390,7 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
     """
     block, seq, ht = _lpt_program(chunk, N, HT, NB, CHUNK)
     q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
-    pos, h, kvh, p0, PM = _packed_rows(block, ht, G, GH, BM)
+    pos, h, kvh, p0, PM = _packed_rows(block, ht, G, GH, Lq, BM)
     if p0 >= Lq:
         return
     d = tl.arange(0, BLOCK_D)
@@ -385,8 +400,8 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
     b0, b1, i0, i1 = _block_split(lo_any, hi_any, lo_all, hi_all, BN)
     n_cut = (i0 - b0) + (b1 - i1)
 
-    q = _load_rows(Q, q0, pos, Lq, stride_qt, h, stride_qh, d, D)               # [BM, BLOCK_D]
-    do = _load_rows(DO, q0, pos, Lq, stride_dot, h, stride_doh, d, D)           # [BM, BLOCK_D]
+    q = _load_rows(Q, q0, pos, Lq, stride_qt, h, stride_qh, d)               # [BM, BLOCK_D]
+    do = _load_rows(DO, q0, pos, Lq, stride_dot, h, stride_doh, d)           # [BM, BLOCK_D]
     stat = _stat_offsets(h, stride_lh, q0, pos)
     m2 = tl.load(M2 + stat, mask=pos < Lq, other=0.0)
     log2_l = tl.load(L2 + stat, mask=pos < Lq, other=float("inf"))
@@ -395,11 +410,11 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
         delta = tl.zeros([BM], tl.float32)
         for n in range(i0 * BN, i1 * BN, BN):
             dq, delta = _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, n, pos, Lq, Lk, kvh, stride_kt, stride_kh,
-                                  stride_vt, stride_vh, d, D, left, right, scale_log2, BN, PRECISION, COMPENSATED,
+                                  stride_vt, stride_vh, d, left, right, scale_log2, BN, PRECISION, COMPENSATED,
                                   UPCAST, MASKED=False, DELTA_PASS=True)
         for t in range(0, n_cut):
             dq, delta = _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, _cut_block(t, b0, i0, i1) * BN, pos, Lq,
-                                  Lk, kvh, stride_kt, stride_kh, stride_vt, stride_vh, d, D, left, right, scale_log2,
+                                  Lk, kvh, stride_kt, stride_kh, stride_vt, stride_vh, d, left, right, scale_log2,
                                   BN, PRECISION, COMPENSATED, UPCAST, MASKED=True, DELTA_PASS=True)
         if HAS_DLSE:
             delta -= tl.load(DLSE + stat, mask=pos < Lq, other=0.0)
@@ -408,10 +423,10 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
         delta = tl.load(DELTA + stat, mask=pos < Lq, other=0.0)
     for n in range(i0 * BN, i1 * BN, BN):
         dq, delta = _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, n, pos, Lq, Lk, kvh, stride_kt, stride_kh,
-                              stride_vt, stride_vh, d, D, left, right, scale_log2, BN, PRECISION, COMPENSATED, UPCAST,
+                              stride_vt, stride_vh, d, left, right, scale_log2, BN, PRECISION, COMPENSATED, UPCAST,
                               MASKED=False, DELTA_PASS=False)
     for t in range(0, n_cut):
         dq, delta = _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, _cut_block(t, b0, i0, i1) * BN, pos, Lq, Lk,
-                              kvh, stride_kt, stride_kh, stride_vt, stride_vh, d, D, left, right, scale_log2, BN,
+                              kvh, stride_kt, stride_kh, stride_vt, stride_vh, d, left, right, scale_log2, BN,
                               PRECISION, COMPENSATED, UPCAST, MASKED=True, DELTA_PASS=False)
-    _store_rows(DQ, dq * softmax_scale, q0, pos, Lq, stride_dqt, h, stride_dqh, d, D)
+    _store_rows(DQ, dq * softmax_scale, q0, pos, Lq, stride_dqt, h, stride_dqh, d)

@@ -2,6 +2,7 @@
 
 The launchers build a plan and run it; the resource audit builds the same plans from example
 tensors and compiles them for each chip instead, so what is audited is what is launched.
+Tensors arrive as the kernels take them: contiguous, head dim ``D`` padded to ``BLOCK_D``.
 ``blocks`` overrides the table's tile (the GPU benchmark's sweep).
 """
 
@@ -45,6 +46,14 @@ class Launch:
         return compiled
 
 
+def _block_d(x: torch.Tensor) -> int:
+    """The kernels' head dim: the tensors come padded to it (``block_d``), no column is masked."""
+    D = x.shape[-1]
+    if D != block_d(D):
+        raise ValueError(f"the Triton kernels take head dims padded to a power of two >= 16, got {D}")
+    return D
+
+
 def _numerics(dtype: torch.dtype, compensated: bool, upcast: bool) -> dict:
     """fp32 inputs multiply in IEEE fp32; fp16 / bf16 on the tensor cores (``tf32`` is ignored for them)."""
     return dict(PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -68,8 +77,8 @@ def forward(q, k, v, sinks, out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k, so
     args = dict(Q=q, K=k, V=v, SINKS=sinks, O=out, LSE=lse, M2=m2, L2=log2_l, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
                 stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                 stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-                stride_lh=lse.stride(0), scale_log2=softmax_scale * LOG2E, left=left, right=right, D=D, **grid,
-                BLOCK_D=block_d(D), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))
+                stride_lh=lse.stride(0), scale_log2=softmax_scale * LOG2E, left=left, right=right, **grid,
+                BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))
     return Launch(kernels.fwd_kernel, args, b, programs=grid["NB"] * N * grid["HT"])
 
 
@@ -79,7 +88,7 @@ def delta(out, do, dlse, delta, chip) -> Launch:
     b = blocks_for(chip, "delta", D, out.dtype)
     args = dict(O=out, DO=do, DLSE=dlse if dlse is not None else delta, DELTA=delta, T=Tq,
                 stride_ot=out.stride(0), stride_oh=out.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
-                stride_lh=delta.stride(0), D=D, HAS_DLSE=dlse is not None, BLOCK_T=b.BM, BLOCK_D=block_d(D))
+                stride_lh=delta.stride(0), HAS_DLSE=dlse is not None, BLOCK_T=b.BM, BLOCK_D=_block_d(out))
     return Launch(kernels.delta_kernel, args, b, grid=(triton.cdiv(Tq, b.BM), HQ))
 
 
@@ -88,7 +97,7 @@ def _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, s
                 stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                 stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
                 stride_lh=delta.stride(0), scale_log2=softmax_scale * LOG2E, softmax_scale=softmax_scale,
-                left=left, right=right, D=q.shape[2])
+                left=left, right=right)
 
 
 def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_q,
@@ -100,7 +109,7 @@ def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, sof
     grid = _packed_grid(q.shape[1] // HKV, HKV, N, max_q, b)
     args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
     args.update(DLSE=dlse if dlse is not None else delta, DQ=dq, stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
-                **grid, BLOCK_D=block_d(D), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast),
+                **grid, BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast),
                 EXACT_DELTA=exact_delta, HAS_DLSE=exact_delta and dlse is not None)
     return Launch(kernels.dq_kernel, args, b, programs=grid["NB"] * N * grid["HT"])
 
@@ -114,5 +123,5 @@ def dkdv(q, k, v, do, m2, log2_l, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, sof
     args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
     args.update(DK=dk, DV=dv, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0),
                 stride_dvh=dv.stride(1), G=q.shape[1] // HKV, N=N, HT=HKV, NB=NB, CHUNK=kernels.CHUNK,
-                BLOCK_D=block_d(D), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))
+                BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))
     return Launch(kernels.dkdv_kernel, args, b, programs=NB * N * HKV)
