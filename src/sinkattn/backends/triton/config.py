@@ -59,46 +59,39 @@ INTERPRETER = Blocks(16, 16, 1, 1)
 INTERPRETER_DELTA = Blocks(16, 0, 1, 1)
 
 
-def _rows(**by_kernel):
-    """``{(kernel, fp32, head_dim_class): Blocks}`` from ``kernel=(16-bit by class, fp32 by class)``."""
-    return {(kernel, fp32, hd): blocks
-            for kernel, (low, high) in by_kernel.items()
-            for fp32, row in ((False, low), (True, high))
-            for hd, blocks in zip(HEAD_DIM_CLASSES, row)}
+def _rows(fp32: dict, **low_precision) -> dict:
+    """``{(kernel, is_fp32, head_dim_class): Blocks}`` from ``kernel=(tile at 64, 128, 256)`` for
+    fp16 / bf16 and the same for fp32; a tile is ``(BM, BN, num_warps, num_stages)``."""
+    return {(kernel, is_fp32, hd): Blocks(*tile)
+            for is_fp32, table in ((False, low_precision), (True, fp32))
+            for kernel, tiles in table.items()
+            for hd, tile in zip(HEAD_DIM_CLASSES, tiles)}
 
 
-B = Blocks
+_FP32 = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 1), (16, 16, 4, 1)),
+             dkdv=((32, 32, 8, 1), (32, 16, 8, 1), (16, 16, 8, 1)),
+             dq=((32, 32, 8, 1), (16, 16, 8, 1), (16, 16, 8, 1)))
+"""fp32 multiplies on the FMA units, whose operands hold the whole reduction axis per thread:
+small tiles and 8 warps keep the spills small (docs/backends.md lists them)."""
+
 TABLE = {
-    "sm80": _rows(
-        fwd=((B(128, 64, 4, 3), B(128, 64, 8, 3), B(64, 64, 4, 2)),
-             (B(64, 32, 4, 2), B(64, 32, 4, 2), B(32, 32, 4, 1))),
-        dkdv=((B(64, 64, 4, 2), B(64, 64, 4, 2), B(32, 32, 4, 1)),
-              (B(32, 32, 4, 1), B(32, 32, 4, 1), B(16, 16, 4, 1))),
-        dq=((B(64, 64, 4, 2), B(64, 64, 4, 2), B(32, 32, 4, 1)),
-            (B(32, 32, 4, 1), B(32, 32, 4, 1), B(16, 16, 4, 1)))),
-    "sm86": _rows(
-        fwd=((B(128, 64, 4, 2), B(64, 64, 4, 2), B(64, 32, 4, 1)),
-             (B(64, 32, 4, 1), B(32, 32, 4, 1), B(16, 32, 4, 1))),
-        dkdv=((B(64, 64, 4, 1), B(32, 64, 4, 1), B(32, 32, 4, 1)),
-              (B(32, 32, 4, 1), B(16, 32, 4, 1), B(16, 16, 4, 1))),
-        dq=((B(64, 64, 4, 1), B(64, 32, 4, 1), B(32, 32, 4, 1)),
-            (B(32, 32, 4, 1), B(16, 32, 4, 1), B(16, 16, 4, 1)))),
-    "sm90": _rows(
-        fwd=((B(128, 64, 8, 3), B(128, 64, 8, 3), B(64, 64, 8, 2)),
-             (B(64, 64, 4, 2), B(64, 32, 4, 2), B(32, 32, 4, 1))),
-        dkdv=((B(64, 64, 8, 2), B(64, 64, 8, 2), B(32, 64, 8, 1)),
-              (B(32, 32, 4, 1), B(32, 32, 4, 1), B(16, 16, 4, 1))),
-        dq=((B(64, 64, 8, 2), B(64, 64, 8, 2), B(64, 32, 8, 1)),
-            (B(32, 32, 4, 1), B(32, 32, 4, 1), B(16, 16, 4, 1)))),
-    "sm100": _rows(
-        fwd=((B(128, 64, 8, 3), B(128, 64, 8, 3), B(64, 64, 8, 2)),
-             (B(64, 64, 4, 2), B(64, 32, 4, 2), B(32, 32, 4, 1))),
-        dkdv=((B(64, 64, 8, 2), B(64, 64, 8, 2), B(32, 64, 8, 1)),
-              (B(32, 32, 4, 1), B(32, 32, 4, 1), B(16, 16, 4, 1))),
-        dq=((B(64, 64, 8, 2), B(64, 64, 8, 2), B(64, 32, 8, 1)),
-            (B(32, 32, 4, 1), B(32, 32, 4, 1), B(16, 16, 4, 1)))),
+    "sm80": _rows(_FP32, fwd=((128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
+                  dkdv=((32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1)),
+                  dq=((128, 32, 8, 2), (64, 16, 4, 1), (32, 16, 4, 1))),
+    "sm86": _rows(_FP32, fwd=((128, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1)),
+                  dkdv=((32, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 1)),
+                  dq=((64, 32, 4, 1), (64, 16, 4, 1), (32, 16, 4, 1))),
+    "sm90": _rows(_FP32, fwd=((128, 64, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1)),
+                  dkdv=((32, 128, 8, 1), (32, 128, 8, 1), (16, 32, 4, 1)),
+                  dq=((128, 64, 8, 2), (128, 64, 8, 2), (16, 64, 4, 1))),
 }
-del B
+"""Why these: on sm80 / sm86 (``mma.sync``) a product holds its whole B operand in each warp's
+registers, so key blocks stay small at large head dims; on sm90 / sm100 (``wgmma`` / ``tcgen05``)
+B stays in shared memory and the forward and dQ take 128-row tiles. The dK/dV kernel keeps two
+``[BN, D]`` fp32 accumulators in registers. Each fp16 / bf16 entry is a large tile (``BM * BN``)
+that the audit found spill-free in every variant at every head dim of its row, with some margin
+below 255 registers where a larger tile sat at the limit."""
+TABLE["sm100"] = TABLE["sm90"] | {("dq", False, 64): Blocks(128, 64, 8, 1), ("dq", False, 256): Blocks(128, 32, 8, 2)}
 
 
 def block_d(head_dim: int) -> int:
