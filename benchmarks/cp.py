@@ -113,15 +113,17 @@ def _finish(started, label: str) -> list[dict]:
 
 
 def _summary(rows: list[dict]) -> list[dict]:
-    """Per (provider, P): the largest per-rank peak and the slowest rank's median time, and ratios to P = 1."""
+    """Per (provider, P): the largest per-rank peak and the slowest rank's median time (with its min and max),
+    and ratios to P = 1."""
     table = {}
     for r in rows:
         entry = table.setdefault((r["provider"], r["P"]), dict(provider=r["provider"], P=r["P"],
                                                               local_tokens=r["local_tokens"]))
         if "peak_growth_mib" in r:
             entry["max_rank_peak_growth_mib"] = max(entry.get("max_rank_peak_growth_mib", 0), r["peak_growth_mib"])
-        if "seconds" in r:
-            entry["max_rank_seconds"] = max(entry.get("max_rank_seconds", 0), r["seconds"])
+        if "seconds" in r and r["seconds"] >= entry.get("max_rank_seconds", 0):    # the slowest rank, its spread
+            entry["max_rank_seconds"] = r["seconds"]
+            entry["max_rank_seconds_min"], entry["max_rank_seconds_max"] = min(r["samples"]), max(r["samples"])
     single = table.get(("single-process", 1))
     for (provider, _), e in table.items():
         base = table.get((provider, 1)) if provider != "single-process" else None
@@ -169,6 +171,11 @@ def main(argv=None) -> dict:
     return _report(rows, args, seq, repeats)
 
 
+def _spread(entry: dict):
+    from sinkattn.testing import bench
+    return bench.Spread(entry["max_rank_seconds_min"], entry["max_rank_seconds"], entry["max_rank_seconds_max"])
+
+
 def _report(rows, args, seq=None, repeats=None) -> dict:
     from sinkattn.testing import bench
 
@@ -176,7 +183,8 @@ def _report(rows, args, seq=None, repeats=None) -> dict:
     summary = _summary(rows)
     single = next((e for e in summary if e["provider"] == "single-process"), {})
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    print(f"problem: {PROBLEM}, S={seq or args.seq}, fp32, fwd+bwd, medians of {repeats or args.repeats} steps")
+    print(f"problem: {PROBLEM}, S={seq or args.seq}, fp32, forward+backward, time: the slowest rank's median "
+          f"(min-max) of {repeats or args.repeats} steps")
     for e in summary:
         mem = e.get("max_rank_peak_growth_mib")
         sec = e.get("max_rank_seconds")
@@ -184,10 +192,16 @@ def _report(rows, args, seq=None, repeats=None) -> dict:
         vs = [f"{e[k + '_vs_single_process']:.3f}x single" if k + "_vs_single_process" in e
               else "single measured 0" if single.get("max_rank_" + k) == 0 else "-"
               for k in ("peak_growth_mib", "seconds")]
+        time_text = "-" if sec is None else (f"{sec * 1e3:9.1f} ms ({e['max_rank_seconds_min'] * 1e3:.1f}-"
+                                             f"{e['max_rank_seconds_max'] * 1e3:.1f})")
         print(f"  {e['provider']:15s} P={e['P']}  local tokens {e['local_tokens']:6d}  "
               f"peak growth/rank {'-' if mem is None else f'{mem:8.1f} MiB'} ({vs[0]})  "
-              f"time {'-' if sec is None else f'{sec * 1e3:9.1f} ms'} ({vs[1]})")
-    report = dict(header=info, problem=PROBLEM | dict(S=seq or args.seq), rows=rows, summary=summary)
+              f"time {time_text} ({vs[1]})")
+    noise = bench.noise_warning((f"{e['provider']} P={e['P']}", _spread(e)) for e in summary if "max_rank_seconds" in e)
+    if noise:
+        print(noise)
+    report = dict(header=info, problem=PROBLEM | dict(S=seq or args.seq), rows=rows, summary=summary,
+                  noise_warning=noise)
     bench.write_json(args.json, report)
     return report
 

@@ -2,6 +2,7 @@
 checked against the same step in a single process.
 
     torchrun --nproc-per-node 2 examples/cp_train_step.py [--method ring|ulysses|both] [--layout zigzag|contiguous]
+    python examples/cp_train_step.py [...]      # without torchrun: a group of one (P=1)
 
 Every rank builds the same layer (same seed) and the same packed batch of 3 causal sequences
 with a sliding window; it takes its shard of the hidden states, the position ids (for the rotary
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -78,7 +81,13 @@ def main() -> int:
     ap.add_argument("--method", default="both", choices=["ring", "ulysses", "both"])
     ap.add_argument("--layout", default="zigzag", choices=list(cp.LAYOUTS))
     args = ap.parse_args()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" in os.environ:                  # started by torchrun: it says who joins the group and where
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    else:
+        print("no torchrun: running as a group of one (P=1); for P ranks: "
+              "torchrun --nproc-per-node P examples/cp_train_step.py")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"file://{tempfile.mkdtemp()}/store", rank=0, world_size=1)
     rank, P = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

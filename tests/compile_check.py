@@ -1,6 +1,6 @@
 """``torch.compile`` with its default backend (inductor), ``fullgraph=True``, as the first sinkattn call
-of a fresh process: dense and packed calls, forward and backward with the lse used, static and
-dynamic shapes, each against the same call run eagerly.
+of a fresh process: dense and packed calls, forward and backward with the lse used, a decoding call
+without gradients, static and dynamic shapes, each against the same call run eagerly.
 
 Run as a script (``tests/test_compile.py`` starts it in a fresh process); prints one line per
 check and exits non-zero on the first mismatch or error.
@@ -35,6 +35,17 @@ def packed_loss(q, k, v, sinks, cu, max_len):
     return (out * out).sum() + (lse * lse).sum()
 
 
+def decode(q, k, v, sinks):
+    return sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True)
+
+
+def _check_inference(name, compiled, args):
+    """No gradients: eagerly the call skips the custom op; compiled it is the op, with the same values."""
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args), decode(*args), rtol=1e-6, atol=1e-6)
+    print(f"ok {name}", flush=True)
+
+
 def _cu(lens):
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
 
@@ -60,6 +71,9 @@ def main():
     for lens in ([30, 0, 17, 5], [20, 20]):          # unequal lengths, then the one-kernel-call path
         _check(f"{sys.argv[1]} packed {lens}", packed, packed_loss,
                (*_inputs((sum(lens),), 1), _cu(lens), max(lens)))
+    q, k, v, sinks = (x.detach() for x in _inputs((2, 24), 4))
+    _check_inference(f"{sys.argv[1]} decode B=2 Sq=1 Sk=24", torch.compile(decode, fullgraph=True, dynamic=dynamic),
+                     (q[:, -1:], k, v, sinks))
     if dynamic:                                      # new shapes through the same compiled functions
         _check("dynamic dense B=3 S=40", dense, dense_loss, _inputs((3, 40), 2))
         lens = [11, 50, 3]

@@ -40,6 +40,28 @@ def test_output_and_gradient_dtypes(dtype):
     assert sinks.grad.dtype == torch.bfloat16 and sinks.grad.shape == (4,)
 
 
+@pytest.mark.parametrize("backend", ["auto", "cpu", "reference"])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_meta_tensors_give_the_metadata_of_a_real_run(backend, packed):
+    """Shapes only: on meta tensors every backend describes its results (the ops' fake implementations)
+    without running; out, lse and every gradient have the shape, dtype and strides of a real CPU run."""
+    def run(device):
+        q, k, v, _ = (t.detach().to(device).requires_grad_() for t in _dense(dtype=torch.bfloat16))
+        sinks = torch.randn(4, device=device).requires_grad_()
+        if packed:
+            cu = torch.tensor([0, 30, 74], dtype=torch.int32, device=device)
+            q, k, v = (t.detach().reshape(74, *t.shape[2:]).requires_grad_() for t in (q, k, v))
+            out, lse = sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, 44, 44, sinks=sinks, causal=True,
+                                                      return_lse=True, backend=backend)
+        else:
+            out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, return_lse=True, backend=backend)
+        (out.float().sum() + lse.sum()).backward()
+        return [(t.shape, t.dtype, t.stride(), t.device.type) for t in (out, lse, q.grad, k.grad, v.grad, sinks.grad)]
+    real, meta = run("cpu"), run("meta")
+    assert [m[:3] for m in meta] == [r[:3] for r in real]
+    assert {m[3] for m in meta} == {"meta"}
+
+
 def test_minus_inf_sink_equals_no_sink():
     q, k, v, _ = _dense()
     a = sinkattn.sink_attn_func(q, k, v, sinks=torch.full((4,), -math.inf), causal=True)

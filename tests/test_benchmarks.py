@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (smoke size); they print figures and never assert speed."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,16 @@ def test_hf_benchmark_quick(tmp_path):
     assert "time_vs_eager" in report["ratios"] and "not run" in run.stdout
 
 
+def test_hf_layout_benchmark_quick(tmp_path):
+    out = tmp_path / "hf_layout.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_layout.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["B"], r["S"], r["slots"]) for r in rows] == [(1, 64, 66), (2, 32, 68)]
+    assert all(r["ms"]["traced"] > 0 and r["ms"]["eager mode"] > 0 for r in rows) and "slots" in run.stdout
+
+
 def test_hf_benchmark_ratio_has_no_value_when_the_peer_measured_zero():
     """A smoke run in one process can reuse freed heap: eager's growth of 0 MiB once divided by zero."""
     import runpy
@@ -93,4 +104,58 @@ def test_cp_benchmark_quick(tmp_path):
         ("single-process", 1), ("ring", 1), ("ring", 2), ("ulysses", 1), ("ulysses", 2)}
     assert sorted({(r["P"], r["rank"]) for r in report["rows"]}) == [(1, 0), (2, 0), (2, 1)]
     assert all(r["seconds"] > 0 and r["peak_growth_mib"] >= 0 for r in report["rows"])
-    assert "x single" in run.stdout
+    assert all(e["max_rank_seconds_min"] <= e["max_rank_seconds"] <= e["max_rank_seconds_max"]
+               for e in report["summary"])
+    assert "x single" in run.stdout and (report["noise_warning"] is None) == ("noise:" not in run.stdout)
+
+
+def test_trl_step_benchmark_quick(tmp_path):
+    pytest.importorskip("trl", minversion="1.16")
+    out = tmp_path / "trl.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_step.py"), "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    ours, eager = report["rows"]
+    assert (ours["impl"], eager["impl"]) == ("sinkattn", "eager")
+    assert ours["batch"] == [1, sum(report["lengths"])] and eager["batch"] == [len(report["lengths"]),
+                                                                               max(report["lengths"])]
+    assert all(r["seconds"] > 0 and r["peak_growth_mib"] is not None for r in report["rows"])
+    assert abs(ours["first_loss"] - eager["first_loss"]) < 0.05 * eager["first_loss"]   # the same tokens scored
+    assert "sinkattn packed / eager padded: time" in run.stdout
+
+
+def _quick(script, tmp_path, *extra):
+    out = tmp_path / f"{script}.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--quick", "--json", str(out),
+                          *extra], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout, json.loads(out.read_text())
+
+
+def test_decode_benchmark_quick(tmp_path):
+    pytest.importorskip("transformers", minversion="5.4")
+    stdout, report = _quick("decode", tmp_path)
+    calls = [r for r in report["rows"] if r["section"] == "call"]
+    assert {(r["B"], r["Sk"]) for r in calls} == {(1, 16), (1, 128), (4, 16), (4, 128)}
+    assert all(r["seconds"][p]["wall"] > 0 for r in calls for p in ("sinkattn", "sdpa", "eager"))
+    generated = [r for r in report["rows"] if r["section"] == "generate"]
+    assert [r["prompt"] for r in generated] == [32, 128] and all(r["same_tokens"] for r in generated)
+    assert "vs sdpa" in stdout and "x eager" in stdout
+
+
+def test_packing_benchmark_quick(tmp_path):
+    stdout, report = _quick("packing", tmp_path)
+    assert set(report["ratios"]) == {"short_fwd", "short_fwdbwd", "long-tailed_fwd", "long-tailed_fwdbwd",
+                                     "short-heavy_fwd", "short-heavy_fwdbwd", "empty_fwdbwd"}
+    timed = [r for r in report["rows"] if r["section"] != "threshold"]
+    assert all(r["seconds"] > 0 and r["visible_pairs"] > 0 for r in timed)
+    assert [r["L"] for r in report["rows"] if r["section"] == "threshold"] == [2, 8]
+    assert "target <= 1.2" in stdout and "[threshold]" in stdout
+
+
+def test_nonfinite_benchmark_quick(tmp_path):
+    stdout, report = _quick("nonfinite", tmp_path)
+    assert [(r["shape"].split()[5], r["mode"]) for r in report["rows"]] == [
+        ("float32", "fwd"), ("float32", "fwdbwd"), ("bfloat16", "fwd"), ("bfloat16", "fwdbwd")]
+    assert "budget < 2%" in stdout

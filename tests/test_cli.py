@@ -67,9 +67,13 @@ def test_bench_writes_json_with_every_figure_and_a_plot(tmp_path, capsys):
                                                          for m in ("fwd", "bwd", "fwdbwd")}
     for r in rows:
         assert r["ms"] > 0 and r["gflops"] > 0
-        assert f"{r['ms']:.2f}" in text
+        assert 0 < r["ms_min"] <= r["ms"] <= r["ms_max"]
+        assert f"{r['ms']:.2f}" in text and f"{r['ms_min']:.2f}–{r['ms_max']:.2f}" in text
         if r["provider"] == "sinkattn":
             assert r["vs_best_peer"] > 0 and f"{r['vs_best_peer']:.2f}x" in text
+    assert all(f" {words} " in text for words in ("forward", "backward", "forward+backward"))
+    assert data["repeats"] == 2 and data["noise_limit"] == 0.2
+    assert (data["noise_warning"] is None) == ("noise:" not in text)
 
 
 def test_bench_shape_and_window(tmp_path):
@@ -88,7 +92,7 @@ def test_module_entry_point_help():
 
 
 
-# --- every option checked before any work (issue 7, item 6) ---------------------------------------------------
+# --- every option checked before any work ------------------------------------------------------------------------
 
 BAD_VALUES = [   # (arguments, the option the one-line error must name): each in its own `python -m sinkattn`
     (["bench", "--shape", "1,256"], "--shape"),
@@ -317,9 +321,70 @@ def test_readme_sample_output_is_what_the_main_job_prints_now(tmp_path, capsys, 
     assert cli.main([]) == 0
     printed = capsys.readouterr().out
     words = {_skeleton(line) for line in printed.splitlines()}
-    checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|median ms|verdict:|\[\d\]|"
+    checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|ms: median|verdict:|\[\d\]|"
                                                    r"plot written|┃ case|┃ B )", line)]
     assert len(checked) == 9, checked
     assert [line for line in checked if _skeleton(line) not in words] == []
     keys = [re.findall(r"(\w+)=", "".join(lines)) for lines in (sample, printed.splitlines())]
     assert keys[0] == keys[1] and "isa" in keys[0]
+
+
+def _rows(spreads):
+    """Bench rows with made-up times (what ``plot`` and ``noise_warning`` read), one per ``(provider, mode, S,
+    (min, median, max), note)``."""
+    from sinkattn.testing import bench
+    return [bench.Row(bench.Problem(1, S, 4, 2, 16), provider, mode, ms=t[1], ms_min=t[0], ms_max=t[2], note=note)
+            for provider, mode, S, t, note in spreads]
+
+
+def test_noise_warning_names_the_widest_spread_and_suggests_a_rerun():
+    from sinkattn.testing import bench
+    quiet = _rows([("sinkattn", "fwd", 64, (1.0, 1.1, 1.2), ""), ("sdpa", "fwd", 64, (2.0, 2.0, 2.0), "")])
+    assert bench.noise_warning((r.where, r.spread) for r in quiet) is None       # 18% of the median: no warning
+    noisy = quiet + _rows([("eager", "fwdbwd", 128, (1.0, 2.0, 3.0), ""), ("sdpa", "bwd", 64, (1.0, 1.0, 1.3), "")])
+    line = bench.noise_warning((r.where, r.spread) for r in noisy)
+    assert line.startswith("noise: 2 of 4 timings spread more than 20%")
+    assert "widest: eager forward+backward B=1 S=128, 100%" in line and "rerun" in line
+
+
+@pytest.mark.parametrize("ext,magic", [("png", b"\x89PNG"), ("jpg", b"\xff\xd8"), ("svg", b"<?xml")])
+def test_plot_reads_in_words_and_shows_caveats_spread_and_noise(tmp_path, ext, magic):
+    from sinkattn.testing import bench
+    providers = (("sinkattn", ""), ("sdpa", "no sinks"), ("sdpa_lse", "backward misses the lse path"))
+    rows = _rows([(p, m, S, (1.0 * S, 1.1 * S, 1.2 * S), note) for m in ("fwd", "bwd", "fwdbwd") for S in (64, 128)
+                  for p, note in providers])
+    rows += _rows([("eager", "fwdbwd", 128, (1.0, 5.0, 9.0), "")])
+    path = tmp_path / f"b.{ext}"
+    drawn = bench.plot(rows, str(path), "title")
+    assert path.read_bytes().startswith(magic)                    # the format of the extension
+    assert list(drawn) == ["forward", "backward", "forward+backward", "noise"]
+    assert drawn["forward"] == ["sinkattn", "sdpa (no sinks)", "sdpa_lse (backward misses the lse path)"]
+    assert "eager" in drawn["forward+backward"]
+    assert drawn["noise"] and "widest: eager forward+backward" in drawn["noise"][0]
+
+
+def test_an_unknown_option_before_the_command_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--outt", "x"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "unrecognized arguments: --outt" in err and "invalid choice" not in err
+    assert cli._unknown_option(cli._parser(), ["--ou", "d", "bench", "--bad"]) is None   # a prefix; after the command
+
+
+def test_without_matplotlib_the_default_run_skips_the_plot_and_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)         # import matplotlib fails, find_spec finds nothing
+    steps = cli._default_steps(cli._parser(), str(tmp_path))
+    err = capsys.readouterr().err
+    assert [s.command for s in steps] == ["verify", "bench"] and steps[1].plot is None
+    assert 'pip install -e ".[cli]"' in err and "--plot" not in err
+    with pytest.raises(SystemExit):                              # asked for by name, --plot is refused before work
+        cli.main(["bench", "--shape", "1,32,2,1,16", "--plot", str(tmp_path / "b.png")])
+    err = capsys.readouterr().err
+    assert "argument --plot: plots need matplotlib" in err and 'pip install -e ".[cli]"' in err
+
+
+def test_bench_header_says_triton_is_not_installed(monkeypatch):
+    from sinkattn.testing import bench
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert bench.header()["triton"] == "not installed"

@@ -32,6 +32,16 @@ def test_visible_matches_design(Lq, Lk, causal, window):
     assert torch.equal(got, want)
 
 
+def test_normalize_window_folds_on_lengths_only_when_given():
+    """Without lengths (what traced code passes) only sides past any tensor's length fold; with
+    concrete lengths (what the op passes), every side reaching past the keys folds."""
+    assert masks.normalize_window(False, (2**62, 2**70)) == (-1, -1)
+    assert masks.normalize_window(False, (2**62 - 1, 7)) == (2**62 - 1, 7)
+    assert masks.normalize_window(True, (7, 5)) == (7, 0)
+    assert masks.normalize_window(True, (7, 5), 5, 5) == (-1, 0)
+    assert masks.normalize_window(False, (3, 4), 5, 9) == (3, -1)
+
+
 @pytest.mark.parametrize("Lq,Lk", [(13, 13), (9, 17), (17, 9)])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_block_ranges_cover_exactly_the_visible_keys(Lq, Lk, window):

@@ -4,7 +4,7 @@
                     [--dtype fp16|bf16|fp32] [--repeats N] [--no-gate-b] [--json FILE]
     sinkattn bench  [--config NAME | --shape B,S,HQ,HKV,D] [--window L,R] [--no-causal] [--dtype fp16|bf16|fp32]
                     [--modes fwd,bwd,fwdbwd] [--providers NAME,...] [--repeats N] [--device cpu|cuda]
-                    [--json FILE] [--plot FILE.png]
+                    [--json FILE] [--plot FILE]
     sinkattn [--out DIR]   verify L0, then bench this device's default configuration; files under DIR
 
 verify runs the level cases of docs/contract.md §5 against the float64 golden and
@@ -14,8 +14,11 @@ factor against eager attention in the input dtype, and bitwise determinism over
 It runs on the GPU when there is one (backend auto -> triton), else on the CPU.
 
 bench times sinkattn against the attention available here (see
-``sinkattn.testing.bench``); the exit code is 1 if sinkattn failed on any
-problem or mode (a peer that cannot run or fails is reported in a note).
+``sinkattn.testing.bench``): the median, min and max of --repeats runs, with a
+warning when they spread more than 20%; --plot writes any format matplotlib
+writes, by the file's extension (png, pdf, svg, jpg, ...). The exit code is 1
+if sinkattn failed on any problem or mode (a peer that cannot run or fails is
+reported in a note).
 
 Dtypes take either spelling (fp16 or float16, ...). Every option is checked
 before any work: a bad value is a one-line error and exit code 2.
@@ -58,7 +61,7 @@ def _rich():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
     except ImportError:
-        sys.exit("the sinkattn command needs its display extras: pip install 'sinkattn[cli]'")
+        sys.exit(f"the sinkattn command needs its display extras: {options.CLI_EXTRAS}")
     console = Console()
     if not console.is_terminal:      # files and pipes: wide enough for the tables, no wrapping
         console = Console(width=120)
@@ -215,8 +218,10 @@ def cmd_bench(args) -> int:
                          progress=lambda: _advance(progress, task))
     setting = bench.common_label(problems)
     table = Table(title=f"sinkattn bench: {setting}\n"
-                        "median ms; GFLOP/s of visible pairs; vs peer = best peer ms / ours")
-    for col in ("B", "S", "mode", "provider", "ms", "GFLOP/s", "vs peer", "peak MiB"):
+                        f"ms: median of {args.repeats} run{'s' if args.repeats > 1 else ''} (min–max); "
+                        f"GFLOP/s of visible pairs; "
+                        f"vs peer = best peer ms / ours")
+    for col in ("B", "S", "mode", "provider", "ms", "min–max", "GFLOP/s", "vs peer", "peak MiB"):
         table.add_column(col, justify="left" if col in ("mode", "provider") else "right")
     notes = {}
     for r in rows:
@@ -224,12 +229,16 @@ def cmd_bench(args) -> int:
         if r.note:
             notes.setdefault(r.note, len(notes) + 1)
             mark = f" [{notes[r.note]}]"
-        table.add_row(str(r.problem.B), str(r.problem.S), r.mode, r.provider + mark, _fmt(r.ms, ".2f"),
-                      _fmt(r.gflops, ".1f"), _fmt(r.vs_best_peer, ".2f") + ("x" if r.vs_best_peer else ""),
-                      _fmt(r.peak_mem_mib, ".1f"))
+        spread = "-" if r.ms is None else f"{r.ms_min:.2f}–{r.ms_max:.2f}"
+        table.add_row(str(r.problem.B), str(r.problem.S), bench.MODE_NAMES[r.mode], r.provider + mark,
+                      _fmt(r.ms, ".2f"), spread, _fmt(r.gflops, ".1f"),
+                      _fmt(r.vs_best_peer, ".2f") + ("x" if r.vs_best_peer else ""), _fmt(r.peak_mem_mib, ".1f"))
     console.print(table)
     for note, i in notes.items():
         console.print(f"[{i}] {note}", markup=False)
+    noise = bench.noise_warning((r.where, r.spread) for r in rows if r.ms is not None)
+    if noise:
+        console.print(noise, markup=False)
     ours = [r for r in rows if r.provider == "sinkattn"]
     failed = [r for r in ours if r.ms is None]
     for r in failed:
@@ -237,8 +246,8 @@ def cmd_bench(args) -> int:
     if failed:
         console.print(f"sinkattn failed on {len(failed)} of {len(ours)} (problem, mode) runs", markup=False)
     title = f"sinkattn bench on {info['machine']} ({info['threads']} threads): {setting}"
-    record = dict(header=info, setting=setting, title=title, sinkattn_failed=len(failed),
-                  rows=[r.as_dict() for r in rows])
+    record = dict(header=info, setting=setting, title=title, sinkattn_failed=len(failed), repeats=args.repeats,
+                  noise_limit=bench.NOISE_LIMIT, noise_warning=noise, rows=[r.as_dict() for r in rows])
     written = not args.json or _write(args.json, lambda f: json.dump(record, f, indent=2))
     if args.plot:
         try:
@@ -253,7 +262,7 @@ def cmd_bench(args) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="sinkattn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=options.out_dir, metavar="DIR",
-                    help="folder for the default run's JSON and PNG (default: sinkattn-out)")
+                    help="folder for the default run's JSON and PNG (default: sinkattn-out; the PNG needs matplotlib)")
     sub = ap.add_subparsers(dest="command")
     dtype = dict(type=options.dtype, metavar="fp16|bf16|fp32", help=f"input dtype: {options.DTYPE_CHOICES}")
     device = dict(type=options.device, metavar="cpu|cuda", help="where the tensors live (default: the GPU if any)")
@@ -283,20 +292,53 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-causal", dest="causal", action="store_false", help="attention without the causal mask")
     b.add_argument("--dtype", **dtype)
     b.add_argument("--modes", type=options.names(bench.MODES), default=("fwd", "fwdbwd"), metavar="MODE,...",
-                   help=f"comma list of {', '.join(bench.MODES)} (default: fwd,fwdbwd)")
+                   help="comma list of " + ", ".join(f"{m} ({bench.MODE_NAMES[m]})" for m in bench.MODES)
+                        + " (default: fwd,fwdbwd)")
     b.add_argument("--providers", type=options.names(bench.PROVIDERS), metavar="NAME,...",
                    help=f"comma list of {', '.join(bench.PROVIDERS)} (default: those for the device)")
-    b.add_argument("--repeats", type=options.at_least(1), default=3, metavar="N", help="timed runs (median); default 3")
+    b.add_argument("--repeats", type=options.at_least(1), default=3, metavar="N",
+                   help="timed runs (median, min, max); default 3")
     b.add_argument("--device", **device)
     b.add_argument("--json", type=options.json_file, metavar="FILE", help="write every figure to this file")
-    b.add_argument("--plot", type=options.plot_file, metavar="FILE.png",
-                   help="time against sequence length, a panel per mode")
+    b.add_argument("--plot", type=options.plot_file, metavar="FILE",
+                   help="time against sequence length, a panel per mode, in the format of FILE's extension "
+                        "(png, pdf, svg, jpg, ...: any matplotlib writes)")
     b.set_defaults(parser=b, check=check_bench, run=cmd_bench)
     return ap
 
 
+def _unknown_option(ap, argv) -> str | None:
+    """The first option before the command that ``ap`` does not know (argparse would take the value after it
+    for the command, and blame that), or None."""
+    known = {s: a for a in ap._actions for s in a.option_strings}
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        name = argv[i].split("=", 1)[0]
+        matches = [s for s in known if s == name] or [s for s in known if s.startswith(name)]
+        if len(matches) != 1:
+            return argv[i]
+        i += 1 if known[matches[0]].nargs == 0 or "=" in argv[i] else 2
+    return None
+
+
+def _default_steps(ap, out: str) -> list:
+    """The default run: verify, then bench with its JSON (and a plot where matplotlib is installed)."""
+    plot = []
+    if options.has_matplotlib():
+        plot = ["--plot", os.path.join(out, "bench.png")]
+    else:
+        print(f"sinkattn: no plot (matplotlib is not installed; for plots: {options.CLI_EXTRAS})", file=sys.stderr)
+    return [ap.parse_args(["verify", "--json", os.path.join(out, "verify.json")]),
+            ap.parse_args(["bench", "--json", os.path.join(out, "bench.json"), *plot])]
+
+
 def _run(argv) -> int:
     ap = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    unknown = _unknown_option(ap, argv)
+    if unknown is not None:
+        ap.error(f"unrecognized arguments: {unknown} (before a command only --out DIR; verify and bench take "
+                 f"their options after their name)")
     args = ap.parse_args(argv)
     if args.command is not None:
         if args.out is not None:
@@ -308,9 +350,7 @@ def _run(argv) -> int:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
         ap.error(f"argument --out: cannot create {out!r}: {exc.strerror or exc}")
-    steps = [ap.parse_args(["verify", "--json", os.path.join(out, "verify.json")]),
-             ap.parse_args(["bench", "--json", os.path.join(out, "bench.json"),
-                            "--plot", os.path.join(out, "bench.png")])]
+    steps = _default_steps(ap, out)
     for step in steps:
         step.check(step.parser, step)
     return max([step.run(step) for step in steps])

@@ -11,24 +11,44 @@ from __future__ import annotations
 import torch
 
 from . import autodiff, backends, defaults, masks, ops, validation
+from .autocast import autocast_inputs
 
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
-         window_size, backend, check_cu_seqlens=True):
+def _call(q, k, v, sinks, softmax_scale, causal, window_size, backend):
+    """What every call settles first: ``(backend name, needs_grad, left, right, softmax_scale)``."""
     autodiff.refuse_unsupported(q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
     name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
-    left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, max_seqlen_q,
-                                         max_seqlen_k)
-    out_acc, lse, *_ = ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
-                                   sinks.contiguous() if sinks is not None else None,
-                                   cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
-                                   defaults.softmax_scale(q.shape[-1], softmax_scale), left, right, name,
-                                   check_cu_seqlens)
+    left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size)   # the op folds on lengths
+    return name, needs_grad, left, right, defaults.softmax_scale(q.shape[-1], softmax_scale)
+
+
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
+         window_size, backend, check_cu_seqlens=True):
+    name, needs_grad, left, right, softmax_scale = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), sinks.contiguous() if sinks is not None else None,
+            cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
+            softmax_scale, left, right, name, check_cu_seqlens)
+    if not needs_grad and ops.is_plain_eager(*args[:6]):     # the op's body without its dispatch
+        out_acc, lse, *_ = ops.forward_eager(*args, inputs_contiguous=True)
+    else:
+        out_acc, lse, *_ = ops.forward(*args)
     return out_acc.to(q.dtype), lse
+
+
+def _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend):
+    """``(out [B, Sq, HQ, D], lse [B, HQ, Sq])`` of an eager, no-grad dense call that the backend computes
+    on the tensors as they are (``forward_dense``: one kernel call, as in decoding), else None."""
+    name, needs_grad, left, right, softmax_scale = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    dense = getattr(backends.load(name), "forward_dense", None)
+    if dense is None or needs_grad or not ops.is_plain_eager(q, k, v, sinks) or torch.is_autocast_enabled(
+            q.device.type):        # under autocast the op's body runs the backend with autocast off
+        return None
+    result = dense(q, k, v, sinks, softmax_scale, left, right)
+    return None if result is None else (result[0].to(q.dtype), result[1])
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -55,8 +75,11 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         lse_i = log(exp(sink_h) + sum_{visible j} exp(scale <q_i, k_j>))
         o_i   = sum_{visible j} exp(scale <q_i, k_j> - lse_i) v_j
 
+    Under ``torch.autocast``, q, k and v are first cast to its dtype, as for SDPA (``sinkattn.autocast``).
+
     Returns ``out [Tq, HQ, D]`` in q's dtype, or ``(out, lse)``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     # a bound past the token count bounds no more than it (and then fits the op's int64)
@@ -70,15 +93,20 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
                    return_lse=False, backend="auto"):
     """Sink attention on a dense batch: ``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]``.
 
-    Same function and options as ``sink_attn_varlen_func``; ``lse`` is fp32 ``[B, HQ, Sq]``.
+    Same function, options and autocast rule as ``sink_attn_varlen_func``; ``lse`` is fp32 ``[B, HQ, Sq]``.
     """
+    q, k, v = autocast_inputs(q, k, v)
     validation.check_dense(q, k, v)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     B, Sq, HQ, D = q.shape
     Sk, HKV = k.shape[1], k.shape[2]
-    steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-    out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
-                    steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
-                    check_cu_seqlens=False)
-    out = out.view(B, Sq, HQ, D)
-    return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if validation.as_bool("return_lse", return_lse) else out
+    decoded = _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    if decoded is not None:
+        out, lse = decoded
+    else:
+        steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+        out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
+                        steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
+                        check_cu_seqlens=False)
+        out, lse = out.view(B, Sq, HQ, D), lse.view(HQ, B, Sq).transpose(0, 1)
+    return (out, lse) if validation.as_bool("return_lse", return_lse) else out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "BEYOND_ANY_LENGTH",
     "normalize_window",
     "row_key_bounds",
     "visible",
@@ -26,17 +27,29 @@ __all__ = [
 ]
 
 
+BEYOND_ANY_LENGTH = 2 ** 62
+"""A window side this long reaches past the keys of any sequence a tensor can hold."""
+
+
 def normalize_window(causal: bool, window_size: tuple[int, int], max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None) -> tuple[int, int]:
     """Fold ``causal`` into ``(left, right)``; ``-1`` means unbounded.
 
     A side that reaches past every key is unbounded: ``left >= max_seqlen_k - 1`` or
     ``right >= max_seqlen_q - 1`` (given upper bounds of the lengths) selects the same keys as
-    ``-1``, and is folded to it so that no mask arithmetic meets a huge window.
+    ``-1``, and is folded to it so that no mask arithmetic meets a huge window. A side of
+    ``BEYOND_ANY_LENGTH`` or more is folded without lengths.
+
+    The lengths must be concrete ints: the public functions fold without them (under
+    ``torch.compile`` / ``torch.export`` a length is symbolic, and comparing it would tie the
+    compiled program to the lengths it was traced with); the ``sinkattn::forward`` /
+    ``backward`` ops fold again with theirs, where they are plain ints.
     """
     left, right = int(window_size[0]), int(window_size[1])
     if causal:
         right = 0
+    left = -1 if left >= BEYOND_ANY_LENGTH else left
+    right = -1 if right >= BEYOND_ANY_LENGTH else right
     if max_seqlen_k is not None and left >= max(max_seqlen_k - 1, 0):
         left = -1
     if max_seqlen_q is not None and right >= max(max_seqlen_q - 1, 0):
@@ -44,26 +57,29 @@ def normalize_window(causal: bool, window_size: tuple[int, int], max_seqlen_q: i
     return left, right
 
 
-def row_key_bounds(i, Lq: int, Lk: int, left: int, right: int):
+def row_key_bounds(i, Lq, Lk, left: int, right: int):
     """Half-open key range ``[lo, hi)`` visible to row ``i`` (int or int tensor).
 
+    With a tensor ``i``, ``Lq`` and ``Lk`` may be int tensors too, broadcast against it (the rows of
+    several sequences at once: ``i [1, R]``, ``Lq``/``Lk [N, 1]`` give bounds ``[N, R]``).
     ``hi <= lo`` means the row sees no key.
     """
     offset = Lk - Lq
     if isinstance(i, torch.Tensor):
-        lo = (i + offset - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
-        hi = (i + offset + right + 1).clamp(max=Lk) if right >= 0 else torch.full_like(i, Lk)
+        position = i + offset
+        lo = (position - left).clamp(min=0) if left >= 0 else torch.zeros_like(position)
+        hi = torch.clamp(position + right + 1, max=Lk) if right >= 0 else torch.zeros_like(position) + Lk
         return lo, hi
     lo = max(0, i + offset - left) if left >= 0 else 0
     hi = min(Lk, i + offset + right + 1) if right >= 0 else Lk
     return lo, hi
 
 
-def visible(rows: torch.Tensor, cols: torch.Tensor, Lq: int, Lk: int, left: int, right: int) -> torch.Tensor:
-    """Bool ``[len(rows), len(cols)]``: ``visible(i, j)`` for ``i in rows``, ``j in cols``."""
+def visible(rows: torch.Tensor, cols: torch.Tensor, Lq, Lk, left: int, right: int) -> torch.Tensor:
+    """Bool ``[len(rows), len(cols)]``: ``visible(i, j)`` for ``i in rows``, ``j in cols``; with
+    per-sequence lengths (``row_key_bounds``) ``[..., len(rows), len(cols)]``."""
     lo, hi = row_key_bounds(rows, Lq, Lk, left, right)
-    cols = cols.unsqueeze(0)
-    return (cols >= lo.unsqueeze(1)) & (cols < hi.unsqueeze(1))
+    return (cols >= lo.unsqueeze(-1)) & (cols < hi.unsqueeze(-1))
 
 
 def block_key_range(r0: int, r1: int, Lq: int, Lk: int, left: int, right: int) -> tuple[int, int]:

@@ -12,15 +12,17 @@ contiguous, exactly as the fake implementations describe it, and every tensor ha
 is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), so no backend
 reads memory through a layout it does not assume. The checks on the contents of
 ``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
-(``check_cu_seqlens=False`` for the ones the dense entry point builds itself).
-Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``.
+(``check_cu_seqlens=False`` for the ones the dense entry point builds itself). The window is
+folded on the lengths here too (``masks.normalize_window``), where they are plain ints.
+Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``. The backends
+run with autocast off: their fp32 arithmetic is part of the contract (``sinkattn.autocast``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import autodiff, backends, validation
+from . import autocast, autodiff, backends, masks, validation
 from .backends.buffers import contiguous
 
 if torch.distributed.is_available():
@@ -32,7 +34,41 @@ if torch.distributed.is_available():
     # Imported here, with sinkattn, it binds None instead (about 3 ms once torch is loaded).
     import torch.distributed.nn.functional  # noqa: F401
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "forward_eager", "is_plain_eager"]
+
+
+def is_plain_eager(*tensors) -> bool:
+    """True when a call may run the forward op's body directly, without the op (``forward_eager``):
+    eager mode (not traced or compiled, no torch function or dispatch mode such as FakeTensorMode or
+    a FLOP counter), no gradient to record, and plain tensors (no subclass) on a real device. The
+    op then adds nothing but its dispatch (about 30 us, as long as a whole decoding step's attention)."""
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) in _PLAIN and not (grad and t.requires_grad) and not t.is_meta) for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types that dispatch as plain tensors (a model's ``sinks`` are a Parameter)."""
+
+
+def forward_eager(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
+                  backend, check_cu_seqlens, *, inputs_contiguous=False) -> list[torch.Tensor]:
+    """The body of ``sinkattn::forward`` (same arguments, same results), for ``is_plain_eager`` calls;
+    ``inputs_contiguous``: the caller made every tensor argument contiguous already."""
+    if check_cu_seqlens:
+        validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                             max_seqlen_q, max_seqlen_k)
+    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
+    if not inputs_contiguous:
+        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    with autocast.disabled(q.device):
+        out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
+                                                         softmax_scale, left, right,
+                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
+    return contiguous(out, lse, *extra)
 
 
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
@@ -40,14 +76,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
             cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
             softmax_scale: float, left: int, right: int, backend: str,
             check_cu_seqlens: bool) -> list[torch.Tensor]:
-    if check_cu_seqlens:
-        validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                             max_seqlen_q, max_seqlen_k)
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
-    out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
-                                                     softmax_scale, left, right,
-                                                     max_seqlen=(max_seqlen_q, max_seqlen_k))
-    return contiguous(out, lse, *extra)
+    return forward_eager(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left,
+                         right, backend, check_cu_seqlens)
 
 
 @forward.register_fake
@@ -66,11 +96,13 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              right: int, backend: str, extra: list[torch.Tensor]) -> list[torch.Tensor]:
     if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
         dlse = None
+    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
-    dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
-                                                         cu_seqlens_k, softmax_scale, left, right, tuple(extra),
-                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
+    with autocast.disabled(q.device):
+        dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
+                                                             cu_seqlens_k, softmax_scale, left, right, tuple(extra),
+                                                             max_seqlen=(max_seqlen_q, max_seqlen_k))
     dsinks = dsinks if dsinks is not None else q.new_empty((0,))
     return contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
 

@@ -3,6 +3,8 @@
 It materializes the ``[HQ, Lq, Lk]`` score matrix of each sequence, so it is for
 checking, not for speed. Inputs of any float dtype are cast up to float64
 first, so the golden sees exactly the low-precision values the backend saw.
+Every sum runs over visible pairs only, so a NaN or inf in ``k`` or ``v`` reaches
+exactly the rows that see its key (§1, "Non-finite keys and values").
 """
 
 from __future__ import annotations
@@ -23,8 +25,20 @@ def _sequences(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor):
         yield cq[b], cq[b + 1], ck[b], ck[b + 1]
 
 
+def _visible_sum(p, x, vis):
+    """``out[h, i] = sum over visible j of p[h, i, j] * x[h, j]``: ``p [HQ, Lq, Lk]`` (0 off ``vis [Lq, Lk]``),
+    ``x [HQ, Lk, D]``. A NaN or inf of ``x`` enters only the sums of the rows that see its key: the
+    product takes ``x`` with them zeroed, and each key holding one adds its terms on those rows alone."""
+    bad = ~torch.isfinite(x)
+    out = p @ torch.where(bad, 0.0, x)
+    for j in bad.any(-1).any(0).nonzero().flatten().tolist():
+        terms = p[:, :, j, None] * torch.where(bad[:, j], x[:, j], 0.0)[:, None, :]           # [HQ, Lq, D]
+        out = out + torch.where(vis[None, :, j, None], terms, 0.0)
+    return out
+
+
 def _probabilities(qb, kb, sink, scale, left, right):
-    """Per sequence: ``P [HQ, Lq, Lk]`` and ``lse [HQ, Lq]`` in float64.
+    """Per sequence: ``P [HQ, Lq, Lk]``, ``lse [HQ, Lq]`` in float64 and ``visible [Lq, Lk]``.
 
     ``qb [HQ, Lq, D]``, ``kb [HQ, Lk, D]`` (already expanded over the group),
     ``sink [HQ]`` float64 (``-inf`` for no sink).
@@ -42,7 +56,7 @@ def _probabilities(qb, kb, sink, scale, left, right):
     z = torch.exp(sink[:, None] - m_safe) + e.sum(-1)                          # [HQ, Lq]
     p = torch.where(vis, e / z[..., None], 0.0)                                # no key -> 0
     lse = m_safe + torch.log(z)
-    return p, lse
+    return p, lse, vis
 
 
 def _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1):
@@ -65,8 +79,8 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     lse = torch.full((HQ, Tq), _NEG_INF, dtype=torch.float64, device=q.device)
     for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         qb, kb, vb, sink = _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1)
-        p, lse_b = _probabilities(qb, kb, sink, softmax_scale, left, right)
-        out[s0:s1] = (p @ vb).transpose(0, 1)
+        p, lse_b, vis = _probabilities(qb, kb, sink, softmax_scale, left, right)
+        out[s0:s1] = _visible_sum(p, vb, vis).transpose(0, 1)
         lse[:, s0:s1] = lse_b
     return out, lse
 
@@ -86,14 +100,14 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
     dsinks = torch.zeros(HQ, **f64)
     for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         qb, kb, vb, sink = _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1)
-        p, lse_b = _probabilities(qb, kb, sink, softmax_scale, left, right)
+        p, lse_b, vis = _probabilities(qb, kb, sink, softmax_scale, left, right)
         dob = do[s0:s1].double().transpose(0, 1)                               # [HQ, Lq, D]
-        ob = p @ vb
+        ob = _visible_sum(p, vb, vis)
         delta = (dob * ob).sum(-1)
         if dlse is not None:
             delta = delta - dlse[:, s0:s1].double()
-        ds = p * (dob @ vb.transpose(1, 2) - delta[..., None])                 # [HQ, Lq, Lk]
-        dq[s0:s1] = (softmax_scale * ds @ kb).transpose(0, 1)
+        ds = torch.where(vis, p * (dob @ vb.transpose(1, 2) - delta[..., None]), 0.0)   # [HQ, Lq, Lk]
+        dq[s0:s1] = (softmax_scale * _visible_sum(ds, kb, vis)).transpose(0, 1)
         Lk = t1 - t0
         dk[t0:t1] = (softmax_scale * ds.transpose(1, 2) @ qb).view(HKV, G, Lk, D).sum(1).transpose(0, 1)
         dv[t0:t1] = (p.transpose(1, 2) @ dob).view(HKV, G, Lk, D).sum(1).transpose(0, 1)

@@ -17,6 +17,8 @@ import torch
 
 __all__ = ["lse_with_sink", "key_mass", "sink_mass", "row_delta", "dsinks_from"]
 
+_LOWEST = torch.finfo(torch.float32).min
+
 
 def lse_with_sink(lse_keys: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """``[HQ, T]`` fp32: the sink's logit added to the denominator."""
@@ -25,12 +27,14 @@ def lse_with_sink(lse_keys: torch.Tensor, sinks: torch.Tensor | None) -> torch.T
     return torch.logaddexp(lse_keys, sinks.float().unsqueeze(-1))
 
 
-def key_mass(lse_keys: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def key_mass(lse_keys: torch.Tensor, lse: torch.Tensor, rows_have_keys: bool = False) -> torch.Tensor:
     """``[HQ, T]`` fp32: ``exp(lse_keys - lse)``, the probability mass on real keys.
 
-    0 for a row that sees no key (``lse_keys = -inf``) and for a ``+inf`` sink.
+    0 for a row that sees no key (``lse_keys = -inf``) and for a ``+inf`` sink; ``lse`` is floored at
+    the lowest fp32 number so that ``-inf - (-inf)`` (no key, no sink) is never formed, unless the
+    caller knows that no ``lse_keys`` is ``-inf`` (``rows_have_keys``; the values are the same).
     """
-    return torch.where(lse_keys == float("-inf"), 0.0, torch.exp(lse_keys - lse))
+    return torch.exp(lse_keys - (lse if rows_have_keys else lse.clamp(min=_LOWEST)))
 
 
 def sink_mass(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

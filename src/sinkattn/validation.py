@@ -15,7 +15,8 @@ import weakref
 
 import torch
 
-__all__ = ["check_varlen", "check_dense", "check_options", "check_cu_seqlens_contents", "as_bool",
+__all__ = ["check_varlen", "check_dense", "check_options", "check_cu_seqlens_contents", "as_bool", "check_qkv",
+           "check_cu_seqlens", "check_max_seqlen", "check_offsets",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "MAX_SOFTMAX_SCALE"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,7 +65,8 @@ def _tensor(name: str, x, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(x.shape)}")
 
 
-def _qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
+def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
+    """q, k, v: tensors of one float dtype and device, ``token_dims`` leading dims, heads and D that fit."""
     rank = token_dims + 2
     _tensor("q", q, rank, layout_q)
     _tensor("k", k, rank, layout_kv)
@@ -89,7 +91,7 @@ def _qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
         raise ValueError(f"query heads HQ={HQ} must be a multiple of KV heads HKV={HKV} (GQA group size HQ/HKV)")
 
 
-def _cu_seqlens(name: str, cu, device: torch.device) -> None:
+def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
     """What can be checked without reading the values (the values: ``check_cu_seqlens_contents``)."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor [N+1], got {_type_name(cu)}")
@@ -102,7 +104,8 @@ def _cu_seqlens(name: str, cu, device: torch.device) -> None:
         raise ValueError(f"{name} must be on the device of q ({device}), got {cu.device}")
 
 
-def _max_seqlen(name: str, value) -> None:
+def check_max_seqlen(name: str, value) -> None:
+    """A maximal sequence length: an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {_type_name(value)}")
     if value < 0:
@@ -111,26 +114,29 @@ def _max_seqlen(name: str, value) -> None:
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
     """Shapes of the packed API: ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``cu_seqlens_* int32 [N+1]``."""
-    _qkv(q, k, v, 1, "[Tq, HQ, D]", "[Tk, HKV, D]")
-    _cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-    _cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
+    check_qkv(q, k, v, 1, "[Tq, HQ, D]", "[Tk, HKV, D]")
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must list the same number of sequences, "
                          f"got {cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}")
-    _max_seqlen("max_seqlen_q", max_seqlen_q)
-    _max_seqlen("max_seqlen_k", max_seqlen_k)
+    check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    check_max_seqlen("max_seqlen_k", max_seqlen_k)
 
 
-def _contents(name: str, values: list[int], total: int, max_name: str, max_seqlen: int) -> None:
+def check_offsets(name: str, values: list[int], total: int | None, max_name: str = "",
+                  max_seqlen: int | None = None) -> None:
+    """``values`` of a ``cu_seqlens``: start at 0, non-decreasing, end at ``total``, no length above
+    ``max_seqlen`` (the last two: None is not checked here)."""
     if values[0] != 0:
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     for b in range(len(values) - 1):
         if values[b + 1] < values[b]:
             raise ValueError(f"{name} must be non-decreasing, got {values[b]} then {values[b + 1]} at index {b}")
-    if values[-1] != total:
+    if total is not None and values[-1] != total:
         raise ValueError(f"{name}[-1] must equal the token count {total}, got {values[-1]}")
     longest = max((b - a for a, b in zip(values, values[1:])), default=0)
-    if max_seqlen < longest:
+    if max_seqlen is not None and max_seqlen < longest:
         raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({longest}); "
                          f"pass an upper bound")
 
@@ -174,19 +180,20 @@ def check_cu_seqlens_contents(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Te
     memoise = cu_seqlens_q.device.type != "cpu"
     if memoise and _checked.seen(tensors, facts):
         return
-    _contents("cu_seqlens_q", cu_seqlens_q.tolist(), Tq, "max_seqlen_q", max_seqlen_q)
-    _contents("cu_seqlens_k", cu_seqlens_k.tolist(), Tk, "max_seqlen_k", max_seqlen_k)
+    check_offsets("cu_seqlens_q", cu_seqlens_q.tolist(), Tq, "max_seqlen_q", max_seqlen_q)
+    check_offsets("cu_seqlens_k", cu_seqlens_k.tolist(), Tk, "max_seqlen_k", max_seqlen_k)
     if memoise:
         _checked.add(tensors, facts)
 
 
 def check_dense(q, k, v) -> None:
     """Shapes of the dense API: ``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]``."""
-    _qkv(q, k, v, 2, "[B, Sq, HQ, D]", "[B, Sk, HKV, D]")
+    check_qkv(q, k, v, 2, "[B, Sq, HQ, D]", "[B, Sk, HKV, D]")
 
 
 def _softmax_scale(softmax_scale) -> None:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat)):
+    if type(softmax_scale) is not float and (      # exact type first: the ABC check costs a microsecond a call
+            isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat))):
         raise TypeError(f"softmax_scale must be a float or None, got {_type_name(softmax_scale)}")
     try:
         value = float(softmax_scale)
@@ -218,7 +225,7 @@ def check_options(q, sinks, softmax_scale, causal, window_size, return_lse) -> N
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}")
     for side, w in zip(("left", "right"), window_size):
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+        if type(w) is not int and (isinstance(w, bool) or not isinstance(w, numbers.Integral)):
             raise TypeError(f"window_size {side} must be an int >= -1, got {w!r}")
         if w < -1:
             raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {w}")

@@ -16,6 +16,7 @@ importing anything; the backends themselves run inside the custom ops (``sinkatt
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 
@@ -46,19 +47,23 @@ def describe(name: str) -> Capabilities:
 
 
 def choose(backend: str, call: Call) -> str:
-    """The name of the backend for ``call``; NotImplementedError with the reason if none can take it."""
+    """The name of the backend for ``call``; NotImplementedError with the reason if none can take it.
+
+    Meta tensors (shapes only, no data) are taken by every backend as if on a device it runs on:
+    no backend runs, the ops' fake implementations describe the results (``sinkattn.ops``)."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, one of {('auto',) + NAMES}, got {type(backend).__name__}")
     if backend == "auto":
-        name = _AUTO.get(call.device_type)
+        name = _AUTO.get(call.device_type, "cpu" if call.device_type == "meta" else None)
         if name is None:
             raise NotImplementedError(
-                f"no fast backend for {call.device_type!r} tensors; pass backend='reference' "
-                f"(float64, materialized) or move the tensors to the CPU or a CUDA GPU")
+                f"no backend runs on {call.device_type!r} tensors; move them to the CPU or a CUDA GPU")
     elif backend in NAMES:
         name = backend
     else:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {backend!r}")
+    if call.device_type == "meta":
+        call = dataclasses.replace(call, device_type=min(describe(name).device_types))
     reason = describe(name).why_not(call)
     if reason is not None:
         raise NotImplementedError(reason)

@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import masks, sink
-from . import buffers
-from .layout import Span, group_views, groups, heads_first, stat_view, write, zero_unwritten
+from .layout import Run, Span, group_views, heads_first, stat_view, write, zero_unwritten
 
-__all__ = ["forward", "backward", "plan", "BLOCK_M"]
+__all__ = ["forward", "backward", "single_call", "single_part", "forward_single", "forward_heads_first",
+           "backward_single", "plan", "BLOCK_M"]
 
 BLOCK_M = 64
 """Query rows per block on the windowed path."""
 
-_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FWD = torch._scaled_dot_product_flash_attention_for_cpu     # the same op as torch.ops.aten's, 2 us cheaper to call
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _NEG_INF = float("-inf")
 
@@ -164,18 +164,24 @@ def _merge(og, lg, o_p, lse_p, start: int, fresh: slice, seen: slice) -> None:
         lg[:, :, seen] = lse_new
 
 
-def _single_call(cu_seqlens_q, cu_seqlens_k, left, right):
-    """``(N, Lq, Lk, part)`` when one kernel call covers the whole batch (a dense batch or one
-    sequence, with full or square causal attention), else None."""
-    runs = list(groups(cu_seqlens_q, cu_seqlens_k))
-    if len(runs) != 1:
+def single_call(split, left: int, right: int, all_keys: bool = False) -> tuple[Run, Part] | None:
+    """``(run, part)`` when one kernel call covers the whole batch (``split.single``: a dense batch or
+    one sequence) without a mask: every row against the keys ``[part.k0, part.k1)`` (full or square
+    causal attention, or a window that every row sees whole, as in decoding), else None.
+    ``all_keys``: only a call that also covers every key."""
+    run = split.single
+    part = None if run is None else single_part(run.Lq, run.Lk, left, right)
+    if part is None or (all_keys and (part.k0, part.k1) != (0, run.Lk)):
         return None
-    _, _, n, Lq, Lk = runs[0]
+    return run, part
+
+
+def single_part(Lq: int, Lk: int, left: int, right: int) -> Part | None:
+    """The one unmasked part that covers every row of a sequence, or None when the plan needs more."""
     parts = plan(Lq, Lk, left, right)
-    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1, parts[0].k0, parts[0].k1) != (
-            0, Lq, 0, Lk):
+    if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1) != (0, Lq):
         return None
-    return n, Lq, Lk, parts[0]
+    return parts[0]
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -205,32 +211,42 @@ def _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows: Span, keys
     dkg[:, :, fresh] = 0.0
     dvg[:, :, fresh] = 0.0
     c, R, K = part.count, part.block_rows, part.block_keys
+    D = dqg.shape[-1]                      # without the dlse column
     for i in range(qg.shape[0]):
         dq, dk, dv = _BWD(_windows(dog, i, part.r0, c, R, R), _windows(qg, i, part.r0, c, R, R),
                           _windows(kg, i, part.k0, c, K, R), _windows(vg, i, part.k0, c, K, R),
                           _windows(og, i, part.r0, c, R, R), _stat_windows(lg, i, part).contiguous(), 0.0, False,
                           attn_mask=part.mask, scale=softmax_scale)      # dk, dv: [c, HKV, K, D]
-        _windows(dqg, i, part.r0, c, R, R).copy_(dq)
+        _windows(dqg, i, part.r0, c, R, R).copy_(dq[..., :D])
         for j in range(0, K, R):           # chunk j of every window: disjoint targets, one add each
             w = min(R, K - j)
-            _windows(dkg, i, part.k0 + j, c, w, R).add_(dk[:, :, j:j + w])
-            _windows(dvg, i, part.k0 + j, c, w, R).add_(dv[:, :, j:j + w])
+            _windows(dkg, i, part.k0 + j, c, w, R).add_(dk[:, :, j:j + w, :D])
+            _windows(dvg, i, part.k0 + j, c, w, R).add_(dv[:, :, j:j + w, :D])
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
-    """fp32 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``,
-    the softmax over visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none)."""
-    Tq, HQ, D = q.shape
-    single = _single_call(cu_seqlens_q, cu_seqlens_k, left, right)
-    if single is not None:             # the kernel's own result buffers, no copy
-        n, Lq, Lk, part = single
-        o, lse = _FWD(heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk), heads_first(v, 0, n, Lk), 0.0,
-                      part.causal, scale=softmax_scale)
-        return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
-    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
-    lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
-    for _, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(cu_seqlens_q, cu_seqlens_k, (q, out), (k, v),
-                                                             (lse_keys,)):
+def forward_heads_first(qh, kh, vh, part, softmax_scale):
+    """One kernel call on heads-first views (any strides): ``qh [N, HQ, Lq, D]``, ``kh``/``vh [N, HKV, Lk, D]``
+    under ``single_call``'s ``part`` -> ``(o_keys [N, HQ, Lq, D], lse_keys [N, HQ, Lq])``; ``o_keys`` is laid
+    out as ``qh`` is (tokens first for a view of a tokens-first tensor), ``lse_keys`` as ``[N, Lq, HQ]``."""
+    if (part.k0, part.k1) != (0, kh.shape[2]):
+        kh, vh = kh[:, :, part.k0:part.k1], vh[:, :, part.k0:part.k1]
+    return _FWD(qh, kh, vh, 0.0, part.causal, scale=softmax_scale)
+
+
+def forward_single(q, k, v, single, softmax_scale):
+    """The whole batch in one kernel call (``single_call``): ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``
+    in the kernel's own result buffers, no copy."""
+    (run, part), (Tq, HQ) = single, q.shape[:2]
+    o, lse = forward_heads_first(heads_first(q, 0, run.n, run.Lq), heads_first(k, 0, run.n, run.Lk),
+                                 heads_first(v, 0, run.n, run.Lk), part, softmax_scale)
+    return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
+
+
+def forward(q, k, v, runs, out, lse_keys, softmax_scale, left, right):
+    """Fill fp32 ``out [Tq, HQ, D]`` and ``lse_keys [HQ, Tq]`` on the rows of ``runs`` from fp32
+    ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``: the softmax over visible keys only (``lse_keys = -inf``,
+    ``o = 0`` on rows that see none)."""
+    for _, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(runs, (q, out), (k, v), (lse_keys,)):
         rows = Span()
         for part in plan(Lq, Lk, left, right):
             if part.count > 1:
@@ -244,30 +260,36 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
             _merge(og, lg, o_p, lse_p, part.r0, *rows.take(part.r0, part.r1))
         zero_unwritten(rows, Lq, og)
         zero_unwritten(rows, Lq, lg, value=_NEG_INF)
-    return out, lse_keys
 
 
-def backward(do, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
-    """fp32 ``(dq, dk, dv)`` from fp32 ``do``, ``out`` (with sink) and ``lse [HQ, Tq]`` (with sink)."""
-    if dlse is not None:
-        q, k, out = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(out, (0, 1))
-        v = F.pad(v, (0, 1), value=1.0)
-        do = torch.cat([do, dlse.float().t()[..., None]], dim=-1)
-    # exp(S - lse) must be 0 on rows that see nothing; -inf - (-inf) would give NaN.
-    lse = lse.masked_fill(lse == _NEG_INF, float("inf"))
-    single = _single_call(cu_seqlens_q, cu_seqlens_k, left, right)
-    if single is not None:             # the kernel's own result buffers, no copy
-        n, Lq, Lk, part = single
-        grads = _BWD(heads_first(do, 0, n, Lq), heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk),
-                     heads_first(v, 0, n, Lk), heads_first(out, 0, n, Lq), stat_view(lse, 0, n, Lq).contiguous(),
-                     0.0, part.causal, scale=softmax_scale)
-        dq, dk, dv = (_tokens_first(g) for g in grads)
-        return (dq[..., :-1], dk[..., :-1], dv[..., :-1]) if dlse is not None else (dq, dk, dv)
-    dq = buffers.new(q.shape, torch.float32, q.device)
-    dk = buffers.new(k.shape, torch.float32, q.device)
-    dv = buffers.new(v.shape, torch.float32, q.device)
+def _with_dlse(do, dlse, q, k, v, out):
+    """The ``dlse`` term on one extra head-dim column (module doc); ``lse = -inf`` rows made ``+inf``."""
+    if dlse is None:
+        return do, q, k, v, out
+    do = torch.cat([do, dlse.float().t()[..., None]], dim=-1)
+    return do, F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1), value=1.0), F.pad(out, (0, 1))
+
+
+def backward_single(do, dlse, q, k, v, out, lse, single, softmax_scale):
+    """fp32 ``(dq, dk, dv)`` of the whole batch in one kernel call (``single_call``)."""
+    (run, part), D = single, q.shape[-1]
+    n, Lq, Lk = run.n, run.Lq, run.Lk
+    do, q, k, v, out = _with_dlse(do, dlse, q, k, v, out)
+    lse = lse.masked_fill(lse == _NEG_INF, float("inf"))   # exp(S - lse) = 0 on rows that see nothing
+    grads = _BWD(heads_first(do, 0, n, Lq), heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk),
+                 heads_first(v, 0, n, Lk), heads_first(out, 0, n, Lq), stat_view(lse, 0, n, Lq).contiguous(),
+                 0.0, part.causal, scale=softmax_scale)
+    return tuple(_tokens_first(g)[..., :D] for g in grads)
+
+
+def backward(do, dlse, q, k, v, out, lse, runs, dq, dk, dv, softmax_scale, left, right):
+    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of ``runs`` from fp32 ``do``, ``out`` (with sink)
+    and ``lse [HQ, Tq]`` (with sink)."""
+    D = q.shape[-1]
+    do, q, k, v, out = _with_dlse(do, dlse, q, k, v, out)
+    lse = lse.masked_fill(lse == _NEG_INF, float("inf"))   # exp(S - lse) = 0 on rows that see nothing
     for _, Lq, Lk, (qg, dog, og, dqg), (kg, vg, dkg, dvg), (lg,) in group_views(
-            cu_seqlens_q, cu_seqlens_k, (q, do, out, dq), (k, v, dk, dv), (lse,)):
+            runs, (q, do, out, dq), (k, v, dk, dv), (lse,)):
         rows_done, keys_done = Span(), Span()
         for part in plan(Lq, Lk, left, right):
             if part.count > 1:
@@ -277,12 +299,9 @@ def backward(do, dlse, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_sc
             dq_p, dk_p, dv_p = _BWD(dog[:, :, rows], qg[:, :, rows], kg[:, :, keys], vg[:, :, keys],
                                     og[:, :, rows], lg[:, :, rows].contiguous(), 0.0, part.causal,
                                     attn_mask=part.mask, scale=softmax_scale)
-            write(dqg, dq_p, part.r0, *rows_done.take(part.r0, part.r1))
+            write(dqg, dq_p[..., :D], part.r0, *rows_done.take(part.r0, part.r1))
             fresh, seen = keys_done.take(part.k0, part.k1)
-            write(dkg, dk_p, part.k0, fresh, seen)
-            write(dvg, dv_p, part.k0, fresh, seen)
+            write(dkg, dk_p[..., :D], part.k0, fresh, seen)
+            write(dvg, dv_p[..., :D], part.k0, fresh, seen)
         zero_unwritten(rows_done, Lq, dqg)
         zero_unwritten(keys_done, Lk, dkg, dvg)
-    if dlse is not None:
-        dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
-    return dq, dk, dv

@@ -24,10 +24,11 @@ from __future__ import annotations
 import torch
 
 from .. import masks
-from . import buffers
 from .layout import Span, group_views, write, zero_unwritten
+from .nonfinite import visible_matmul
 
-__all__ = ["forward", "backward", "SLAB_ELEMENTS"]
+__all__ = ["forward", "backward", "block_forward", "block_backward", "stack_group", "unstack_group", "sink_rows",
+           "SLAB_ELEMENTS"]
 
 SLAB_ELEMENTS = 1 << 22
 """Scores per block (fp32: 16 MiB), which sets the number of rows per block."""
@@ -44,98 +45,136 @@ def _blocks(n: int, HQ: int, Lq: int, Lk: int, left: int, right: int):
         yield r0, r1, k0, k1, vis
 
 
-def _stack_group(x: torch.Tensor, HKV: int) -> torch.Tensor:
-    """``[N, HQ, R, D]`` -> ``[N, HKV, G*R, D]``: the group's heads stacked as rows."""
-    N, HQ, R, D = x.shape
-    return x.reshape(N, HKV, (HQ // HKV) * R, D)
+def stack_group(x: torch.Tensor, HKV: int) -> torch.Tensor:
+    """``[N, HQ, R, ...]`` -> ``[N, HKV, G*R, ...]``: the group's heads stacked as rows."""
+    N, HQ, R = x.shape[:3]
+    return x.reshape(N, HKV, (HQ // HKV) * R, *x.shape[3:])
 
 
-def _unstack_group(x: torch.Tensor, HQ: int) -> torch.Tensor:
+def unstack_group(x: torch.Tensor, HQ: int) -> torch.Tensor:
     """``[N, HKV, G*R, ...]`` -> ``[N, HQ, R, ...]``."""
     N, HKV, GR = x.shape[:3]
     return x.reshape(N, HQ, GR // (HQ // HKV), *x.shape[3:])
 
 
-def _scores(qs, kb, vis, G: int, softmax_scale: float) -> torch.Tensor:
-    """``S [N, HKV, G*R, K]`` fp32, ``-inf`` where not visible."""
+def _scores(qs, kb, mask, softmax_scale: float) -> torch.Tensor:
+    """``S [N, HKV, G*R, K]`` fp32, ``-inf`` where ``mask`` (broadcastable, or None) is False."""
     s = torch.matmul(qs, kb.transpose(-1, -2)).mul_(softmax_scale)
-    if vis is not None:
-        s.masked_fill_(~vis.repeat(G, 1), _NEG_INF)
+    if mask is not None:
+        s.masked_fill_(~mask, _NEG_INF)
     return s
 
 
 def _exp_shifted(s: torch.Tensor, sink_rows: torch.Tensor | None):
     """``(E, m)`` with ``E = exp(S - m)``, ``m`` the row max joined by the sink, kept finite.
 
-    ``sink_rows [N, HKV, G*R, 1]`` or None. A ``+inf`` sink shifts by the key max instead,
-    a row without keys (and sink) by 0, so ``E`` never holds ``inf - inf``.
+    ``sink_rows [N, HKV, G*R, 1]`` or None. A ``+inf`` sink does not join the max (it shifts by the
+    key max), and a non-finite ``m`` (a row without keys or finite sink, a NaN) becomes 0, so ``E``
+    never holds ``inf - inf``.
     """
-    row_max = s.amax(-1, keepdim=True)
-    m = row_max if sink_rows is None else torch.maximum(row_max, sink_rows)
-    m = torch.where(torch.isfinite(m), m, row_max.masked_fill(~torch.isfinite(row_max), 0.0))
+    m = s.amax(-1, keepdim=True)
+    if sink_rows is not None:
+        m = torch.maximum(m, sink_rows.masked_fill(sink_rows == float("inf"), _NEG_INF))
+    m = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
     return torch.exp(s - m), m
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
-    """Same contract as ``cpu_fused.forward``: ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])`` fp32."""
-    Tq, HQ, D = q.shape
-    HKV = k.shape[1]
-    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
-    lse_keys = buffers.new((HQ, Tq), torch.float32, q.device)
-    for n, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(cu_seqlens_q, cu_seqlens_k, (q, out), (k, v),
-                                                             (lse_keys,)):
+def sink_rows(sinks: torch.Tensor | None, HKV: int, R: int) -> torch.Tensor | None:
+    """``sinks [HQ]`` -> fp32 ``[1, HKV, G*R, 1]``: each stacked row's sink (``stack_group`` order)."""
+    if sinks is None:
+        return None
+    G = sinks.shape[0] // HKV
+    rows = sinks.float().view(1, HKV, G, 1)
+    return rows if R == 1 else rows[..., None].expand(1, HKV, G, R, 1).reshape(1, HKV, G * R, 1)
+
+
+def _denominator(e: torch.Tensor, m: torch.Tensor, sink_rows: torch.Tensor | None) -> torch.Tensor:
+    """``Z = exp(sink - m) + sum_j E`` (no sink term without sinks): 0 for a row without keys or sink,
+    else at least 1 (the row's maximum, key or sink, contributes ``exp(0)``), or inf / NaN."""
+    z = e.sum(-1, keepdim=True)
+    return z if sink_rows is None else z + torch.exp(sink_rows - m)
+
+
+def block_forward(qs, kb, vb, mask, softmax_scale: float, literal: bool = False, sink_rows=None):
+    """Rows against their keys, scores materialized: ``(o [N, HKV, G*R, D], lse [N, HKV, G*R])``.
+
+    ``qs [N, HKV, G*R, D]`` (the group's heads stacked, ``stack_group``), ``kb``/``vb [N, HKV, K, D]``,
+    ``mask`` bool broadcastable to ``[N, HKV, G*R, K]`` or None (all visible). Without ``sink_rows``
+    the softmax over the visible keys only (``lse_keys = -inf``, ``o = 0`` on rows that see none);
+    with them (``sink_rows``) the sink joins it and ``o``, ``lse`` are final. ``literal``: ``vb`` may
+    hold NaN / inf, which then reach the rows that see their key only (``nonfinite``).
+    """
+    s = _scores(qs, kb, mask, softmax_scale)
+    e, m = _exp_shifted(s, sink_rows)
+    z = _denominator(e, m, sink_rows)
+    o = (visible_matmul(e, vb, mask) if literal else torch.matmul(e, vb)).div_(z.clamp(min=1.0))   # 0 / 1: no key
+    return o, (m + torch.log(z)).squeeze(-1)
+
+
+def block_backward(qs, kb, vb, dos, dl, sink_rows, mask, softmax_scale: float, literal: bool = False):
+    """Gradients of one block, ``P`` rebuilt from the row maximum: ``(dq_s, dk, dv)``.
+
+    ``qs``/``dos [N, HKV, G*R, D]`` stacked, ``kb``/``vb [N, HKV, K, D]``, ``dl [N, HKV, G*R, 1]`` or
+    None (the stacked ``dlse``), ``sink_rows [N, HKV, G*R, 1]`` or None, ``mask`` as in
+    ``block_forward``. Returns ``dq_s [N, HKV, G*R, D]`` (stacked) and ``dk``/``dv [N, HKV, K, D]``
+    summed over the group, all fp32. ``literal``: ``kb``/``vb`` may hold NaN / inf; every term of a
+    pair a row does not see is then held at 0, so they reach the sums of the visible pairs only.
+    """
+    s = _scores(qs, kb, mask, softmax_scale)                              # [N, HKV, G*R, K]
+    e, m = _exp_shifted(s, sink_rows)
+    p = e / _denominator(e, m, sink_rows).clamp(min=1.0)                  # 0 / 1 on rows without keys
+    dp = torch.matmul(dos, vb.transpose(-1, -2))
+    guard = literal and mask is not None
+    if guard:
+        p, dp = p.masked_fill(~mask, 0.0), dp.masked_fill(~mask, 0.0)
+    delta = (p * dp).sum(-1, keepdim=True)
+    if dl is not None:
+        delta = delta - dl
+    ds = p * (dp - delta)
+    if guard:
+        ds = ds.masked_fill_(~mask, 0.0)
+    dq = (visible_matmul(ds, kb, mask) if literal else torch.matmul(ds, kb)).mul_(softmax_scale)
+    dk = torch.matmul(ds.transpose(-1, -2), qs).mul_(softmax_scale)
+    dv = torch.matmul(p.transpose(-1, -2), dos)
+    return dq, dk, dv
+
+
+def forward(q, k, v, runs, out, lse_keys, softmax_scale, left, right, literal=False):
+    """Fill ``out [Tq, HQ, D]`` and ``lse_keys [HQ, Tq]`` (fp32) on the rows of ``runs``
+    (``layout.Run``), as ``cpu_fused.forward`` does; ``literal`` as in ``block_forward``."""
+    HQ, HKV = q.shape[1], k.shape[1]
+    for n, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(runs, (q, out), (k, v), (lse_keys,)):
         rows = Span()
         for r0, r1, k0, k1, vis in _blocks(n, HQ, Lq, Lk, left, right):
-            s = _scores(_stack_group(qg[:, :, r0:r1], HKV), kg[:, :, k0:k1], vis, HQ // HKV, softmax_scale)
-            e, m = _exp_shifted(s, None)
-            z = e.sum(-1, keepdim=True)                           # 0 on rows without keys
-            o = torch.matmul(e, vg[:, :, k0:k1]) / z
-            o = o.masked_fill(z == 0, 0.0)
+            mask = None if vis is None else vis.repeat(HQ // HKV, 1)
+            o, lse = block_forward(stack_group(qg[:, :, r0:r1], HKV), kg[:, :, k0:k1], vg[:, :, k0:k1], mask,
+                                   softmax_scale, literal)
             fresh, _ = rows.take(r0, r1)
-            og[:, :, fresh] = _unstack_group(o, HQ)
-            lg[:, :, fresh] = _unstack_group((m + torch.log(z)).squeeze(-1), HQ)
+            og[:, :, fresh] = unstack_group(o, HQ)
+            lg[:, :, fresh] = unstack_group(lse, HQ)
         zero_unwritten(rows, Lq, og)
         zero_unwritten(rows, Lq, lg, value=_NEG_INF)
-    return out, lse_keys
 
 
-def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
-    """fp32 ``(dq, dk, dv)`` from fp32 ``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, ``sinks [HQ]`` or None."""
+def backward(do, dlse, q, k, v, sinks, runs, dq, dk, dv, softmax_scale, left, right, literal=False):
+    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of ``runs`` from fp32 ``do [Tq, HQ, D]``,
+    ``dlse [HQ, Tq]`` or None, ``sinks [HQ]`` or None."""
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
-    sink_rows = None
-    if sinks is not None:   # [HQ] -> [1, HKV, G, 1, 1], broadcast over the R rows of a block
-        sink_rows = sinks.float().view(1, HKV, G, 1, 1)
-    dq = buffers.new(q.shape, torch.float32, q.device)
-    dk = buffers.new(k.shape, torch.float32, q.device)
-    dv = buffers.new(v.shape, torch.float32, q.device)
     dlse = dlse.float() if dlse is not None else None
     for n, Lq, Lk, (qg, dog, dqg), (kg, vg, dkg, dvg), (dlg,) in group_views(
-            cu_seqlens_q, cu_seqlens_k, (q, do, dq), (k, v, dk, dv), (dlse,)):
+            runs, (q, do, dq), (k, v, dk, dv), (dlse,)):
         rows_done, keys_done = Span(), Span()
         for r0, r1, k0, k1, vis in _blocks(n, HQ, Lq, Lk, left, right):
-            qs = _stack_group(qg[:, :, r0:r1], HKV)
-            kb, vb = kg[:, :, k0:k1], vg[:, :, k0:k1]
-            s = _scores(qs, kb, vis, G, softmax_scale)                         # [N, HKV, G*R, K]
-            sink_b = None
-            if sink_rows is not None:
-                sink_b = sink_rows.expand(n, HKV, G, r1 - r0, 1).reshape(n, HKV, G * (r1 - r0), 1)
-            e, m = _exp_shifted(s, sink_b)
-            z = e.sum(-1, keepdim=True)
-            if sink_b is not None:
-                z = z + torch.exp(sink_b - m)
-            p = (e / z).masked_fill_(z == 0, 0.0)
-            dos = _stack_group(dog[:, :, r0:r1], HKV)
-            dp = torch.matmul(dos, vb.transpose(-1, -2))
-            delta = (p * dp).sum(-1, keepdim=True)
-            if dlg is not None:
-                delta = delta - _stack_group(dlg[:, :, r0:r1, None], HKV)
-            ds = p * (dp - delta)
+            dl = stack_group(dlg[:, :, r0:r1, None], HKV) if dlg is not None else None
+            mask = None if vis is None else vis.repeat(G, 1)
+            dq_s, dk_b, dv_b = block_backward(stack_group(qg[:, :, r0:r1], HKV), kg[:, :, k0:k1], vg[:, :, k0:k1],
+                                              stack_group(dog[:, :, r0:r1], HKV), dl, sink_rows(sinks, HKV, r1 - r0),
+                                              mask, softmax_scale, literal)
             fresh, _ = rows_done.take(r0, r1)
-            dqg[:, :, fresh] = _unstack_group(torch.matmul(ds, kb).mul_(softmax_scale), HQ)
+            dqg[:, :, fresh] = unstack_group(dq_s, HQ)
             fresh, seen = keys_done.take(k0, k1)
-            write(dkg, torch.matmul(ds.transpose(-1, -2), qs).mul_(softmax_scale), k0, fresh, seen)
-            write(dvg, torch.matmul(p.transpose(-1, -2), dos), k0, fresh, seen)
+            write(dkg, dk_b, k0, fresh, seen)
+            write(dvg, dv_b, k0, fresh, seen)
         zero_unwritten(rows_done, Lq, dqg)
         zero_unwritten(keys_done, Lk, dkg, dvg)
-    return dq, dk, dv

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-__all__ = ["LARGE_SCORE", "MAX_SCORE", "score_bound", "may_have_large_scores", "check_fp32_range"]
+__all__ = ["LARGE_SCORE", "MAX_SCORE", "score_bound", "may_have_large_scores", "check_fp32_range", "loose_bound"]
 
 LARGE_SCORE = 256.0
 MAX_SCORE = torch.finfo(torch.float32).max / (2 * math.log2(math.e))
@@ -26,7 +26,8 @@ def score_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float
     not finite, 0 without tokens). ``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    bound = abs(softmax_scale) * float(q.float().norm(dim=-1).max()) * float(k.float().norm(dim=-1).max())
+    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).max() for x in (q, k)]
+    bound = abs(softmax_scale) * float(norms[0]) * float(norms[1])
     return bound if bound == bound else math.inf
 
 
@@ -42,3 +43,15 @@ def check_fp32_range(bound: float, q: torch.Tensor, k: torch.Tensor) -> None:
         return
     raise ValueError(f"scores softmax_scale * <q_i, k_j> may reach {bound:.3g}, beyond what fp32 holds "
                      f"({MAX_SCORE:.3g}); lower softmax_scale or the magnitude of q and k")
+
+
+
+def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
+    """``|scale| ||q||_F ||k||_F``, at least ``score_bound`` (a row's norm is at most its tensor's) and cheap:
+    one fused reduction over both tensors, one read. ``inf`` when an input is not finite (or the norm
+    overflows); 0 without tokens."""
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    norm_q, norm_k = torch.stack(torch._foreach_norm([q, k])).tolist()
+    bound = abs(softmax_scale) * norm_q * norm_k
+    return bound if bound == bound else math.inf

@@ -12,9 +12,11 @@ sequence and gets its shard of the single-process ``sinkattn`` result and gradie
 Gradients: dq/dk/dv are this rank's shards of the full gradients; ``sinks.grad`` on each rank is
 that rank's contribution, and their sum over the group is the full gradient (the data-parallel
 all-reduce of the group sums it, as for every replicated parameter). Before any other
-communication every rank's shapes, dtype, device type, options and packing are compared by
-one ``all_gather`` of a small descriptor, and a mismatch or bad input raises the same error on
-every rank. Results are bitwise reproducible for a fixed group size and layout.
+communication every rank's shapes, dtype, device type and options are compared exactly by one
+``all_gather`` of a small descriptor, and the packing's lengths by a second one; a mismatch or
+bad input raises the same error on every rank (``shard`` and its twins check the same way).
+Under ``torch.autocast`` q, k and v are cast to its dtype (``sinkattn.autocast``). Results are
+bitwise reproducible for a fixed group size and layout.
 """
 
 from .api import METHODS, sink_attn_func, sink_attn_varlen_func

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import autodiff, backends, defaults, masks, validation
+from .. import autocast, autodiff, backends, defaults, masks, validation
 from . import group as groups
 from . import ring, ulysses
 from .layout import LAYOUTS, check_layout, check_lengths, lengths_of
@@ -24,10 +24,9 @@ def _check_method(method) -> str:
 _DEVICES = ("cpu", "cuda", "another device")
 
 
-def _facts(q, k, sinks, lengths, scale, left, right, return_lse, method, layout, backend, needs_grad, P):
-    """What every rank must agree on, as numbers: shapes, dtype, device kind, options, packing
-    (``_shown`` puts each back in words)."""
-    checksum = sum((n + 1) * length for n, length in enumerate(lengths)) % (1 << 52)
+def _facts(q, k, sinks, scale, left, right, return_lse, method, layout, backend, needs_grad, P):
+    """What every rank must agree on besides the packing, as numbers: shapes, dtype, device kind,
+    options (``_shown`` puts each back in words)."""
     return {
         "the group size": P, **{f"q.shape[{i}]": n for i, n in enumerate(q.shape)},
         **{f"k.shape[{i}]": n for i, n in enumerate(k.shape)}, "the dtype": _DTYPES[q.dtype],
@@ -36,8 +35,7 @@ def _facts(q, k, sinks, lengths, scale, left, right, return_lse, method, layout,
         "the right window (0 under causal=True)": right, "return_lse": bool(return_lse),
         "method": METHODS.index(method),
         "layout": LAYOUTS.index(layout), "backend": backends.NAMES.index(backend),
-        "whether gradients are needed": needs_grad, "the number of sequences": len(lengths),
-        "the token count": sum(lengths), "the packing (cu_seqlens)": checksum,
+        "whether gradients are needed": needs_grad,
     }
 
 
@@ -52,44 +50,60 @@ def _shown(name: str, value: float) -> str:
         return "yes" if value else "no"
     if "window" in name:
         return "unbounded (-1)" if value == -1 else f"{value:g}"
-    if name == "the packing (cu_seqlens)":
-        return f"lengths with checksum {value:g}"
     return f"{value:g}"
 
 
+def _refuse_meta(*tensors) -> None:
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
+        raise NotImplementedError("context parallelism exchanges shards between ranks, and meta tensors hold "
+                                  "no data; for shapes only, call sinkattn.sink_attn_func / sink_attn_varlen_func "
+                                  "on meta tensors (the result has q's shape, lse is fp32)")
+
+
+def _check_device(q, g) -> None:
+    if "nccl" in str(groups.dist.get_backend(g.handle)).lower() and q.device.type != "cuda":
+        raise ValueError(f"the group uses NCCL, which needs CUDA tensors; got q on {q.device}: move the "
+                         f"shards to this rank's GPU or use a gloo group for CPU tensors")
+
+
 def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method, layout,
-             backend):
-    """Checks on this rank, then the agreement of all ranks; returns what the methods need."""
+             backend, packed):
+    """Checks on this rank, then the agreement of all ranks (the packing too when ``packed``).
+
+    ``lengths_fn(q, k, v, P)`` checks the shapes and returns ``(lengths, longest)``. Returns the
+    group, ``(q, k, v)`` as the methods take them (cast under autocast, see ``sinkattn.autocast``)
+    and what the methods need."""
     autodiff.refuse_transforms()   # no collective runs inside one; a transform wraps the call on every rank
     g = groups.resolve(group)
-    facts, error, ready = None, None, None
+    facts, error, ready, lengths = None, None, None, None
     try:
         autodiff.refuse_forward_ad(q, k, v, sinks)
+        q, k, v = autocast.autocast_inputs(q, k, v)
+        _refuse_meta(q, k, v)
         _check_method(method)
         check_layout(layout)
+        lengths, longest = lengths_fn(q, k, v, g.size)
         validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
-        lengths, longest = lengths_fn(g.size)
+        _check_device(q, g)
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
         name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
         left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, longest, longest)
         scale = defaults.softmax_scale(q.shape[-1], softmax_scale)
         if method == "ulysses":
             ulysses.check_heads(q.shape[-2], k.shape[-2], g.size)
-        if "nccl" in str(groups.dist.get_backend(g.handle)).lower() and q.device.type != "cuda":
-            raise ValueError(f"the group uses NCCL, which needs CUDA tensors; got q on {q.device}: move the "
-                             f"shards to this rank's GPU or use a gloo group for CPU tensors")
-        facts = _facts(q, k, sinks, lengths, scale, left, right, return_lse, method, layout, name, needs_grad, g.size)
+        facts = _facts(q, k, sinks, scale, left, right, return_lse, method, layout, name, needs_grad, g.size)
         ready = (lengths, scale, left, right, name)
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:       # noqa: BLE001 - every rank learns why this one cannot go on (groups.agree)
         error = exc
-    groups.agree(g, facts, error, _shown)
-    return g, ready
+    groups.agree(g, facts, error, _shown, packing=lengths if packed else None)
+    return g, (q, k, v), ready
 
 
 def _attention(method, q, k, v, sinks, g, layout, ready):
     lengths, scale, left, right, name = ready
     run = ring.attention if method == "ring" else ulysses.attention
-    return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
+    with autocast.disabled(q.device):     # q, k, v are cast already; the merges stay fp32
+        return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, *, sinks=None, softmax_scale=None, causal=False,
@@ -105,19 +119,25 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, *, sinks=None, softma
     full ones; the gradient of ``sinks`` is this rank's contribution (sum it over the group).
     ``method``: ``"ring"`` or ``"ulysses"``; see ``sinkattn.distributed``.
     """
-    def lengths_fn(P):
-        validation.check_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    def lengths_fn(q, k, v, P):
+        validation.check_qkv(q, k, v, 1, "[T/P, HQ, D], this rank's shard", "[T/P, HKV, D], this rank's shard")
+        validation.check_cu_seqlens("cu_seqlens", cu_seqlens, q.device)
+        validation.check_max_seqlen("max_seqlen", max_seqlen)
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"context parallelism is self-attention: k must have the token count of q, got "
                              f"q {q.shape[0]}, k {k.shape[0]}")
-        validation.check_cu_seqlens_contents(cu_seqlens, cu_seqlens, q.shape[0] * P, q.shape[0] * P, max_seqlen,
-                                             max_seqlen)
-        lengths = lengths_of(cu_seqlens)
+        offsets = cu_seqlens.tolist()
+        validation.check_offsets("cu_seqlens", offsets, None, "max_seqlen", max_seqlen)
+        lengths = lengths_of(offsets)
         check_lengths(lengths, P, layout, "cu_seqlens")
+        if offsets[-1] != q.shape[0] * P:
+            raise ValueError(f"q holds {q.shape[0]} tokens on this rank, but cu_seqlens covers {offsets[-1]} tokens, "
+                             f"{offsets[-1] // P} on each of the P={P} ranks: pass this rank's "
+                             f"shard_varlen(x, cu_seqlens, group, layout={layout!r}) of the global packing")
         return lengths, max_seqlen
 
-    g, ready = _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method,
-                        layout, backend)
+    g, (q, k, v), ready = _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group,
+                                   method, layout, backend, packed=True)
     out, lse = _attention(method, q, k, v, sinks, g, layout, ready)
     return (out, lse) if return_lse else out
 
@@ -130,8 +150,8 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     Returns this rank's shard of ``out [B, S/P, HQ, D]`` (and ``lse [B, HQ, S/P]``); options and
     gradients as in ``sink_attn_varlen_func``.
     """
-    def lengths_fn(P):
-        validation.check_dense(q, k, v)
+    def lengths_fn(q, k, v, P):
+        validation.check_qkv(q, k, v, 2, "[B, S/P, HQ, D], this rank's shard", "[B, S/P, HKV, D], this rank's shard")
         if k.shape[1] != q.shape[1]:
             raise ValueError(f"context parallelism is self-attention: k must have the sequence length of q, got "
                              f"q {q.shape[1]}, k {k.shape[1]}")
@@ -139,8 +159,8 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
         check_lengths([S], P, layout, f"the sequence (P x q.shape[1] = {P} x {q.shape[1]})")
         return [S] * q.shape[0], S
 
-    g, ready = _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group, method,
-                        layout, backend)
+    g, (q, k, v), ready = _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, return_lse, group,
+                                   method, layout, backend, packed=False)
     B, S_local, HQ, D = q.shape
     HKV = k.shape[2]
     out, lse = _attention(method, q.reshape(B * S_local, HQ, D), k.reshape(B * S_local, HKV, D),

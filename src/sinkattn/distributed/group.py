@@ -15,7 +15,7 @@ import torch.distributed as dist
 __all__ = ["Group", "resolve", "agree", "Exchange"]
 
 _ERROR_TYPES = (TypeError, ValueError, NotImplementedError)
-_WIDTH = 64           # descriptor entries: an error code, the number of facts, the facts, zero padding
+_WIDTH = 64           # descriptor entries: an error code, the number of sequences, the facts, zero padding
 
 
 @dataclass(frozen=True)
@@ -53,37 +53,77 @@ def resolve(group=None) -> Group:
 
 
 def agree(group: Group, facts: dict[str, float] | None, error: Exception | None,
-          show=lambda name, value: f"{value:g}") -> None:
-    """Raise the same error on every rank unless every rank passed ``error=None`` and equal ``facts``.
+          show=lambda name, value: f"{value:g}", packing: list[int] | None = None) -> None:
+    """Raise the same error on every rank unless every rank passed ``error=None``, equal ``facts``
+    and an equal ``packing`` (sequence lengths, compared exactly, entry by entry). The error of the
+    first failing rank is raised as its type (TypeError, ValueError, NotImplementedError; any other
+    as RuntimeError), chained to the original on that rank.
 
-    One ``all_gather`` of a small float64 descriptor (``facts`` in a fixed order, at most 62;
-    ints are exact up to 2**53); only on failure a second exchange carries the failing rank's message.
-    ``show(name, value)`` words a fact's value for the message when ranks disagree.
+    One ``all_gather`` of a small float64 descriptor (an error code, the number of sequences of
+    ``packing``, then ``facts`` in a fixed order, at most ``_WIDTH - 2``; ints are exact up to
+    2**53), and, when that agrees and ``packing`` is given, one ``all_gather`` of the int64 lengths
+    (equal in size on every rank, since their number agreed). Only on failure a further exchange
+    carries the failing rank's message. ``show(name, value)`` words a fact's value for the message
+    when ranks disagree.
     """
-    names = list(facts) if facts is not None else []
-    code = 0 if error is None else 1 + next(i for i, t in enumerate(_ERROR_TYPES) if isinstance(error, t))
+    names = ["the number of sequences", *(facts if facts is not None else [])]
+    if len(names) > _WIDTH - 1:
+        raise ValueError(f"agree: at most {_WIDTH - 2} facts, got {len(names) - 1}")
+    values = [] if facts is None else [len(packing or ()), *(float(facts[n]) for n in names[1:])]
+    code = 0 if error is None else 1 + next((i for i, t in enumerate(_ERROR_TYPES) if isinstance(error, t)),
+                                            len(_ERROR_TYPES))
     local = torch.zeros(_WIDTH, dtype=torch.float64)
-    local[:2 + len(names)] = torch.tensor([float(code), float(len(names)), *(float(facts[n]) for n in names)],
-                                          dtype=torch.float64)
-    local = local.to(group.comm_device)
-    rows = [torch.empty_like(local) for _ in range(group.size)]
-    dist.all_gather(rows, local, group=group.handle)
-    rows = [r.cpu() for r in rows]
+    local[:1 + len(values)] = torch.tensor([float(code), *values], dtype=torch.float64)
+    rows = _gather(group, local)
     failed = [r for r in range(group.size) if rows[r][0] != 0]
     if failed:
         messages: list = [None] * group.size
-        dist.all_gather_object(messages, None if error is None else str(error), group=group.handle)
+        dist.all_gather_object(messages, None if error is None else _said(error), group=group.handle)
         first = failed[0]
-        kind = _ERROR_TYPES[int(rows[first][0]) - 1]
-        raise kind(f"sinkattn.distributed: rank {first} of {group.size} rejected its inputs: {messages[first]}")
+        kind = (*_ERROR_TYPES, RuntimeError)[int(rows[first][0]) - 1]
+        raise kind(f"sinkattn.distributed: rank {first} of {group.size} rejected its inputs: "
+                   f"{messages[first]}") from error
     for r in range(1, group.size):
         if not torch.equal(rows[r], rows[0]):
-            i = next(i for i in range(2, 2 + len(names)) if not torch.equal(rows[r][i], rows[0][i]))
-            name = names[i - 2]
-            raise ValueError(f"sinkattn.distributed: ranks disagree on {name}: rank 0 has "
-                             f"{show(name, rows[0][i].item())}, rank {r} has {show(name, rows[r][i].item())}; "
-                             f"every rank of the group must pass its shard of one call (same shapes, dtype, "
-                             f"options and packing)")
+            i = next(i for i in range(1, _WIDTH) if not torch.equal(rows[r][i], rows[0][i]))
+            name = names[i - 1]
+            _disagree(name, r, show(name, rows[0][i].item()), show(name, rows[r][i].item()))
+    if packing:
+        lists = [row.tolist() for row in _gather(group, torch.tensor(packing, dtype=torch.int64))]
+        for r in range(1, group.size):
+            if lists[r] != lists[0]:
+                n = next(n for n, (a, b) in enumerate(zip(lists[0], lists[r])) if a != b)
+                _disagree("the packing (sequence lengths from cu_seqlens)", r, _excerpt(lists[0], n),
+                          _excerpt(lists[r], n) + f": sequence {n} has length {lists[0][n]} on rank 0 but "
+                                                  f"{lists[r][n]} on rank {r}")
+
+
+def _said(error: Exception) -> str:
+    """The message of ``error``, with its type unless it is one of the argument errors."""
+    return str(error) if isinstance(error, _ERROR_TYPES) else f"{type(error).__name__}: {error}"
+
+
+def _gather(group: Group, local: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``local`` (same shape and dtype on every rank), on the CPU, in rank order."""
+    local = local.to(group.comm_device)
+    rows = [torch.empty_like(local) for _ in range(group.size)]
+    dist.all_gather(rows, local, group=group.handle)
+    return [r.cpu() for r in rows]
+
+
+def _excerpt(values: list[int], at: int, width: int = 8) -> str:
+    """``values`` as a list, cut to about ``width`` entries around index ``at`` when longer."""
+    if len(values) <= width:
+        return str(values)
+    lo = max(0, min(at - width // 2, len(values) - width))
+    inner = ", ".join(map(str, values[lo:lo + width]))
+    return f"[{'..., ' if lo else ''}{inner}{', ...' if lo + width < len(values) else ''}] ({len(values)} sequences)"
+
+
+def _disagree(name: str, r: int, first: str, other: str) -> None:
+    raise ValueError(f"sinkattn.distributed: ranks disagree on {name}: rank 0 has {first}, rank {r} has {other}; "
+                     f"every rank of the group must pass its shard of one call (same shapes, dtype, options and "
+                     f"packing)")
 
 
 class Exchange:

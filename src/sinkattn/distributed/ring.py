@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import autodiff, backends, masks, sink
+from .. import autocast, autodiff, backends, masks, sink
 from .group import Exchange, Group
 from .layout import chunk_ids, chunks_per_sequence
 
@@ -162,6 +162,11 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         autodiff.refuse_double_backward()       # the same on every rank: before any communication
+        with autocast.disabled(ctx.saved_tensors[0].device):   # as the forward ran
+            return _Ring.gradients(ctx, dout, dlse)
+
+    @staticmethod
+    def gradients(ctx, dout, dlse):
         q, k, v, sinks, o, lse = ctx.saved_tensors
         group, plans, scale, backend = ctx.setup
         impl = backends.load(backend)

@@ -11,12 +11,19 @@ the layer's mask (what ``sinkattn.hf.masks.key_mask`` returned). It returns
 and one of three layouts, all bottom-right aligned (query i of a sequence with Lq queries and
 Lk keys is key Lk - Lq + i):
 
-    padding mask [B, n]       unpad the real tokens into ``sink_attn_varlen_func``, one sequence
-                              per row, padded query rows come back as zeros
-    cu_seq_lens_q/k + max_length_q/k   the rows are packed sequences (DataCollatorWithFlattening
-                              with return_flash_attn_kwargs=True): varlen over all B*S tokens
-    position_ids restarting at 0       packed sequences found from the positions (B = 1 or more)
+    cu_seq_lens_q/k + max_length_q/k   packed rows as given (DataCollatorWithFlattening with
+                              return_flash_attn_kwargs=True): varlen over all B*S tokens
+    a padding mask [B, n] and/or position_ids restarting at 0
+                              varlen over the real tokens, every row split where its positions
+                              restart at 0 (``sinkattn.hf.layout``): padding and packing in one
+                              batch are both honoured; padded query rows come back as zeros
     otherwise                 ``sink_attn_func`` on the dense batch (decoding: Sq < Sk)
+
+Eager mode reads the layout's lengths back once per forward pass (memoized per mask /
+position_ids tensor). Under ``torch.compile`` / ``torch.export`` nothing is read back: the
+layout has shapes fixed by ``B, Sq, Sk`` (``sinkattn.hf.layout.fixed``), so a dense or packed
+model call traces without a graph break; there the refusal of padding inside a row with a
+sliding window is made once per forward by ``key_mask``.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from . import layout
+from .masks import PADDING_INSIDE_A_ROW
 
 __all__ = ["attention_forward"]
 
@@ -45,11 +53,15 @@ def _refuse(module, dropout, is_causal, kwargs) -> None:
         raise ValueError(f"sinkattn.hf runs causal decoder attention only, got is_causal=False; {_EAGER}")
 
 
-def _int(name: str, value) -> int:
-    return int(value.item()) if isinstance(value, torch.Tensor) else int(value)
+def _bound(value, tokens):
+    """A ``max_length_*`` kwarg as the varlen API's ``max_seqlen``. A tensor is read back in eager
+    mode; under tracing, where reading it would break the graph, the token count bounds it."""
+    if isinstance(value, torch.Tensor):
+        return tokens if torch.compiler.is_compiling() else int(value.item())
+    return value if torch.compiler.is_compiling() else int(value)
 
 
-def _flash_layout(kwargs) -> layout.Layout | None:
+def _flash_layout(kwargs, tokens: int) -> layout.Layout | None:
     """The packed layout of the flash kwargs, or None when none is given; all four or none."""
     given = [k for k in _FLASH_KWARGS if kwargs.get(k) is not None]
     if not given:
@@ -59,8 +71,8 @@ def _flash_layout(kwargs) -> layout.Layout | None:
         raise ValueError(f"sinkattn.hf: packed rows need all of {_FLASH_KWARGS}, got {given}, missing {missing}; "
                          f"DataCollatorWithFlattening(return_flash_attn_kwargs=True) produces all four")
     cu_q, cu_k = (kwargs[k].to(torch.int32).reshape(-1) for k in ("cu_seq_lens_q", "cu_seq_lens_k"))
-    return layout.Layout(None, None, cu_q, cu_k, _int("max_length_q", kwargs["max_length_q"]),
-                         _int("max_length_k", kwargs["max_length_k"]))
+    return layout.Layout(None, None, cu_q, cu_k, _bound(kwargs["max_length_q"], tokens),
+                         _bound(kwargs["max_length_k"], tokens))
 
 
 def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
@@ -75,8 +87,8 @@ def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
     return out.view(B, Sq, HQ, D)
 
 
-def _padding_layout(mask, k, v, Sq: int, sliding_window):
-    """Check the real-key mask ``[B, n]`` against the keys, trim static-cache slots past ``n``."""
+def _real_keys(mask, k, Sq: int) -> torch.Tensor:
+    """The real-key mask ``bool [B, n]``, checked against the keys (``Sq <= n <= Sk``)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         got = f"a {mask.dim()}-D mask {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
@@ -88,13 +100,19 @@ def _padding_layout(mask, k, v, Sq: int, sliding_window):
     if k.shape[1] < n or n < Sq or mask.shape[0] != k.shape[0]:
         raise ValueError(f"sinkattn.hf: attention mask {tuple(mask.shape)} does not fit {Sq} queries and "
                          f"{k.shape[1]} keys per row (batch {k.shape[0]}); it must be [B, n] with Sq <= n <= Sk")
-    k, v = k[:, :n], v[:, :n]               # a static cache's unwritten slots follow the n real columns
-    lay = layout.memoized("padding", mask, lambda m, s: layout.from_padding_mask(m.to(torch.bool), s), Sq)
-    if sliding_window and not lay.contiguous:
-        raise ValueError("sinkattn.hf: padding inside a row (real tokens on both sides of a pad) with a sliding "
-                         "window: sinkattn counts the window in real tokens, eager in positions; pad on the left "
-                         f"or the right only, {_EAGER}")
-    return lay, k, v
+    return mask.to(torch.bool)
+
+
+def _sequences(mask, position_ids, B: int, Sq: int, Sk: int, device) -> layout.Layout | None:
+    """The layout of the padding (``mask`` or None) and the packing (``position_ids`` restarting
+    at 0), or None when there is neither: a dense call. Traced: the fixed-shape layout; eager:
+    the exact one, one host read-back per forward pass."""
+    if mask is None and (position_ids is None or Sq != Sk or Sq < 2):
+        return None
+    if torch.compiler.is_compiling():
+        return layout.fixed(mask, position_ids, B, Sq, Sk, device)
+    lay = layout.memoized(layout.exact, (mask, position_ids), B, Sq, Sk, device)
+    return None if mask is None and lay.sequences == B else lay
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
@@ -116,19 +134,20 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     options = dict(sinks=s_aux, softmax_scale=scaling, causal=True, backend=backend,
                    window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)     # [B, S, H, D]
-    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
-    flash = _flash_layout(kwargs)
-    if attention_mask is not None:
-        if flash is not None:
+    B, Sq = q.shape[0], q.shape[1]
+    flash = _flash_layout(kwargs, B * Sq)
+    if flash is not None:
+        if attention_mask is not None:
             raise ValueError("sinkattn.hf: got both a padding attention_mask and cu_seq_lens_q/k; packed rows carry "
                              "no padding, pass one or the other")
-        lay, k, v = _padding_layout(attention_mask, k, v, Sq, sliding_window)
-        return _varlen(q, k, v, lay, options), None
-    if flash is not None:
         return _varlen(q, k, v, flash, options), None
-    position_ids = kwargs.get("position_ids")
-    if position_ids is not None and Sq == Sk and Sq > 1 and position_ids.shape[-1] == Sq:
-        lay = layout.memoized("positions", position_ids, layout.from_position_ids, B)
-        if lay.sequences > B:
-            return _varlen(q, k, v, lay, options), None
+    mask = None
+    if attention_mask is not None:
+        mask = _real_keys(attention_mask, k, Sq)
+        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]   # a static cache's unwritten slots follow the n columns
+    lay = _sequences(mask, kwargs.get("position_ids"), B, Sq, k.shape[1], q.device)
+    if lay is not None:
+        if sliding_window and not lay.contiguous:
+            raise ValueError(PADDING_INSIDE_A_ROW)
+        return _varlen(q, k, v, lay, options), None
     return sink_attn_func(q, k, v, **options), None

@@ -1,17 +1,32 @@
-"""Where the real tokens of a Hugging Face batch are: padding masks and packed rows as varlen layouts.
+"""Where the sequences of a Hugging Face batch are: padding masks and packed rows as varlen layouts.
 
-Hugging Face hands attention ``[B, S, ...]`` tensors. sinkattn's varlen API wants the real tokens
-of the N sequences packed one after another, with ``cu_seqlens int32 [N+1]``. A ``Layout`` says
-which flattened rows (``0 .. B*S - 1``) are real and where each sequence starts:
+Hugging Face hands attention ``[B, S, ...]`` tensors. sinkattn's varlen API wants the tokens of
+the N sequences one after another, with ``cu_seqlens int32 [N+1]``. A ``Layout`` says which
+flattened rows (``0 .. B*S - 1``) go where and where each sequence starts:
 
-    index_q  int64 [Tq]     flattened query rows that are real, in order (None: all B*Sq rows)
+    index_q  int64 [Tq]     flattened query rows in varlen order (None: all B*Sq rows, in order)
     index_k  int64 [Tk]     the same for keys (None: all B*Sk rows)
-    cu_q, cu_k  int32 [N+1] sequence b owns packed rows cu[b] .. cu[b+1] - 1
-    max_q, max_k  int       longest sequence (the varlen API's max_seqlen)
-    contiguous  bool        every sequence's real keys are one run of columns (no padding inside)
+    cu_q, cu_k  int32 [N+1] sequence s owns varlen rows cu[s] .. cu[s+1] - 1
+    max_q, max_k  int       bounds of the longest sequence (the varlen API's max_seqlen)
+    contiguous  bool        every row's real keys are one run of columns (no padding inside);
+                            computed by ``exact`` only (``key_mask`` checks it for traced calls)
 
-Building one reads a few numbers back to the host (the lengths); the result is memoized per
-mask / position_ids tensor, so the layers of one forward pass share one read-back.
+The sequences: every row's real tokens (the key mask's True columns; all columns without a
+mask), split where ``position_ids`` restarts at 0 (Hugging Face's padding-free packing, honoured
+with a padding mask too). A row's first real token always starts a sequence; rows never share
+one. Positions are read only for self-attention (``Sq == Sk``): with a cache, the queries of a
+row are the last ``Sq`` of its one sequence's keys (bottom-right aligned).
+
+Two builders give the same sequences:
+
+    exact(...)   only the real tokens and the real sequences; reads the lengths back to the host
+                 once (memoized per tensor, so the layers of one forward pass share one read).
+    fixed(...)   shapes that depend on the tensor shapes only, nothing read back: traceable by
+                 ``torch.compile`` / ``torch.export`` without a graph break. All ``B*S`` rows are
+                 kept, sorted so that each sequence's tokens are adjacent; the padding of row b
+                 forms two sequences after the row's real ones (its queries without keys, which
+                 come out 0, and its keys without queries), and ``cu`` has a slot for every
+                 possible sequence (``2B + B*S``, most of them empty); ``max_q, max_k = Sq, Sk``.
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "from_padding_mask", "from_position_ids", "memoized"]
+__all__ = ["Layout", "exact", "fixed", "memoized", "one_run"]
 
 
 @dataclass(frozen=True)
@@ -39,73 +54,106 @@ class Layout:
         return self.cu_q.numel() - 1
 
 
-def _cu(lengths: torch.Tensor) -> torch.Tensor:
-    """``lengths [N]`` -> ``cu_seqlens int32 [N+1]`` = ``[0, l0, l0+l1, ...]``."""
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+def _starts(real: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """bool ``[B, S]``: the real tokens that begin a sequence (a row's first, or position 0)."""
+    first = real & (torch.cumsum(real, -1) == 1)
+    return first if positions is None else first | (real & (positions == 0))
 
 
-def from_padding_mask(mask: torch.Tensor, Sq: int) -> Layout:
-    """A 2-D padding mask ``[B, Sk]`` (True = real key) -> one sequence per batch row.
+def _positions(position_ids: torch.Tensor | None, B: int, Sq: int, Sk: int) -> torch.Tensor | None:
+    """``position_ids`` as ``[B, S]`` when they can describe packing (self-attention), else None."""
+    if position_ids is None or Sq != Sk or Sq < 2:
+        return None
+    pos = position_ids.reshape(-1, position_ids.shape[-1])
+    if pos.shape[-1] != Sq or (pos.shape[0] != 1 and pos.shape[0] != B):    # not `in (1, B)`: B may be symbolic
+        raise ValueError(f"sinkattn.hf: position_ids must be [B, S] or [1, S] with B = {B}, S = {Sq}, got "
+                         f"{tuple(position_ids.shape)}")
+    return pos.expand(B, Sq)
 
-    The queries are the last ``Sq`` columns (``Sq <= Sk``; with a cache the earlier columns are
-    past keys), so sequence ``b`` has ``Lk_b = mask[b].sum()`` keys and ``Lq_b = mask[b, -Sq:].sum()``
-    queries, the last ``Lq_b`` of its keys: bottom-right aligned, as sinkattn computes.
-    """
-    B, Sk = mask.shape
-    len_k = mask.sum(-1, dtype=torch.int32)
-    len_q = len_k if Sq == Sk else mask[:, Sk - Sq:].sum(-1, dtype=torch.int32)
-    # A row's real keys are one run iff last_true - first_true + 1 == count (or the row is empty).
-    first = torch.argmax(mask.to(torch.int8), -1)
-    last = Sk - 1 - torch.argmax(mask.flip(-1).to(torch.int8), -1)
-    runs = (len_k == 0) | (last - first + 1 == len_k)
-    zero = len_k.new_zeros(1)
-    max_k, max_q, contiguous = torch.stack([torch.cat([zero, len_k]).max(), torch.cat([zero, len_q]).max(),
-                                            runs.all().to(torch.int32)]).tolist()
-    index_k = torch.nonzero(mask.reshape(-1)).reshape(-1)
-    index_q = index_k if Sq == Sk else torch.nonzero(mask[:, Sk - Sq:].reshape(-1)).reshape(-1)
-    cu_k = _cu(len_k)
-    cu_q = cu_k if Sq == Sk else _cu(len_q)
+
+def one_run(real: torch.Tensor) -> torch.Tensor:
+    """bool 0-d tensor: the True columns of every row of ``real [B, S]`` are one run (no gap)."""
+    count = real.sum(-1)
+    first = torch.argmax(real.to(torch.int8), -1)
+    last = real.shape[-1] - 1 - torch.argmax(real.flip(-1).to(torch.int8), -1)
+    return ((count == 0) | (last - first + 1 == count)).all()
+
+
+def _cu(counts: torch.Tensor) -> torch.Tensor:
+    """``counts [N]`` -> ``cu_seqlens int32 [N+1]`` = ``[0, c0, c0+c1, ...]``."""
+    return torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+
+
+def exact(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, Sq: int, Sk: int,
+          device=None) -> Layout:
+    """The real tokens and sequences of keys ``[B, Sk]`` (``mask``: True = real key, None = all
+    real) and their last ``Sq`` columns as queries; one host read-back."""
+    real = mask if mask is not None else torch.ones(B, Sk, dtype=torch.bool, device=device)
+    pos = _positions(position_ids, B, Sq, Sk)
+    flat = real.reshape(-1)
+    index_k = torch.nonzero(flat).reshape(-1) if mask is not None else None
+    if Sq == Sk:
+        starts = _starts(real, pos).reshape(-1)
+        starts = starts[index_k] if index_k is not None else starts
+        count = starts.new_tensor([starts.numel()], dtype=torch.int32)
+        cu_k = torch.cat([torch.nonzero(starts).reshape(-1).to(torch.int32), count])
+        cu_q, index_q = cu_k, index_k
+    else:
+        # one sequence per row: its real keys, and its real queries among the last Sq columns
+        cu_k, cu_q = _cu(real.sum(-1, dtype=torch.int32)), _cu(real[:, Sk - Sq:].sum(-1, dtype=torch.int32))
+        index_q = torch.nonzero(real[:, Sk - Sq:].reshape(-1)).reshape(-1) if mask is not None else None
+    zero = cu_k.new_zeros(1)
+    max_q, max_k, contiguous = torch.stack([torch.cat([zero, cu_q.diff()]).max(), torch.cat([zero, cu_k.diff()]).max(),
+                                            one_run(real).to(torch.int32)]).tolist()
     return Layout(index_q, index_k, cu_q, cu_k, max_q, max_k, bool(contiguous))
 
 
-def from_position_ids(position_ids: torch.Tensor, B: int) -> Layout:
-    """``position_ids [B or 1, S]`` -> the packed sequences of Hugging Face's padding-free convention.
+def fixed(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, Sq: int, Sk: int,
+          device=None) -> Layout:
+    """``exact``'s sequences in shapes fixed by ``B, Sq, Sk`` (see the module doc); nothing read back.
 
-    A sequence starts at every column where the position is 0, and at the start of every row
-    (rows never share a sequence). No padding: every row is real (``index_q = index_k = None``).
+    Sequence ids, for a token of row b with ``c`` sequence starts up to it (row-major, inclusive)
+    and ``C_b`` starts in rows ``<= b``: a real token is in sequence ``2b + c - 1``, a padded query
+    in ``2b + C_b``, a padded key in ``2b + C_b + 1``; they never decrease from row to row, so
+    sorting the tokens by id (stably) makes every sequence one run.
     """
-    pos = position_ids.reshape(-1, position_ids.shape[-1])
-    if pos.shape[0] not in (1, B):
-        raise ValueError(f"position_ids must be [B, S] or [1, S] with B = {B}, got {tuple(position_ids.shape)}")
-    pos = pos.expand(B, -1)
-    starts = pos == 0
-    starts[:, 0] = True
-    begin = torch.nonzero(starts.reshape(-1)).reshape(-1).to(torch.int32)
-    total = torch.tensor([pos.numel()], dtype=torch.int32, device=pos.device)
-    cu = torch.cat([begin, total])
-    lengths = torch.diff(cu).tolist()
-    longest = max(lengths, default=0)
-    return Layout(None, None, cu, cu, longest, longest)
+    real = mask if mask is not None else torch.ones(B, Sk, dtype=torch.bool, device=device)
+    pos = _positions(position_ids, B, Sq, Sk)
+    c = torch.cumsum(_starts(real, pos).reshape(-1), 0).view(B, Sk)
+    row = 2 * torch.arange(B, device=real.device)[:, None]
+    ids_k = torch.where(real, row + c - 1, row + c[:, -1:] + 1)
+    ids_q = torch.where(real, row + c - 1, row + c[:, -1:])[:, Sk - Sq:]
+    slots = 2 * B + (B * Sk if pos is not None else B)         # ids 0 .. slots - 1: the sequences of cu
+    bounds = torch.arange(slots + 1, device=real.device)
+
+    def sort(ids):
+        if mask is None:                                           # no padding: ids already in row order
+            return None, torch.searchsorted(ids.reshape(-1), bounds).to(torch.int32)
+        ids, order = torch.sort(ids.reshape(-1), stable=True)
+        return order, torch.searchsorted(ids, bounds).to(torch.int32)
+
+    (index_q, cu_q), (index_k, cu_k) = sort(ids_q), sort(ids_k)
+    return Layout(index_q, index_k, cu_q, cu_k, Sq, Sk)
 
 
-_MEMO: dict[tuple, tuple[weakref.ref, int, object]] = {}
+_MEMO: dict[tuple, tuple[tuple, object]] = {}
 _MEMO_SIZE = 8
 
 
-def memoized(kind: str, tensor: torch.Tensor, build, *extra):
-    """``build(tensor, *extra)``, reused while ``tensor`` is the same live, unmodified object.
+def memoized(build, tensors: tuple, *extra):
+    """``build(*tensors, *extra)``, reused while ``tensors`` are the same live, unmodified objects.
 
-    Every attention layer of a forward pass gets the same mask / position_ids tensor; this keeps
-    their host read-back to one per pass. Skipped under ``torch.compile`` tracing.
+    Every attention layer of a forward pass gets the same mask / position_ids tensors; this keeps
+    their host read-back to one per pass. Not used under ``torch.compile`` tracing.
     """
-    if torch.compiler.is_compiling():
-        return build(tensor, *extra)
-    key = (kind, id(tensor), *extra)
+    key = (build, *(id(t) for t in tensors), *extra)
+    state = tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
     hit = _MEMO.get(key)
-    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-        return hit[2]
-    value = build(tensor, *extra)
+    if hit is not None and all(h is None if t is None else (h[0]() is t and h[1] == t._version)
+                               for h, t in zip(hit[0], tensors)):
+        return hit[1]
+    value = build(*tensors, *extra)
     if len(_MEMO) >= _MEMO_SIZE:
         _MEMO.pop(next(iter(_MEMO)))
-    _MEMO[key] = (weakref.ref(tensor), tensor._version, value)
+    _MEMO[key] = (state, value)
     return value

@@ -13,15 +13,43 @@ Column ``j`` of the layer's keys is absolute position ``kv_offset + j``; the que
 absolute positions ``q_offset .. q_offset + q_length - 1``, the last ``q_length`` of the ``n``
 columns. A pattern it does not recognise (custom ``or_mask_function`` / ``and_mask_function``,
 block overlays, bidirectional or chunked attention) raises instead of being dropped silently.
+
+With a sliding window, a row's real keys must be one run (padding on the left or the right):
+sinkattn counts the window in real tokens, eager attention in columns. Under ``torch.compile`` /
+``torch.export`` the function reads nothing at trace time, so a model call stays one graph: the
+mask goes to the layers as it is (all real or not), and the one-run check runs in the compiled
+program as the ``sinkattn::hf_padding_on_one_side`` op. The pattern is then known from what
+tracing can read (see ``_traced_pattern_window``).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["key_mask", "pattern_window"]
+from . import layout
+
+__all__ = ["key_mask", "pattern_window", "padding_on_one_side"]
 
 _FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
+PADDING_INSIDE_A_ROW = (
+    "sinkattn.hf: padding inside a row (real tokens on both sides of a pad) with a sliding window: sinkattn counts "
+    "the window in real tokens, eager in positions; pad on the left or the right only, or use "
+    "attn_implementation='eager'")
+
+
+@torch.library.custom_op("sinkattn::hf_padding_on_one_side", mutates_args=())
+def padding_on_one_side(keys: torch.Tensor) -> torch.Tensor:
+    """A copy of the real-key mask ``bool [B, n]``; ``ValueError`` if a row has padding between real
+    tokens. An op, so that a traced model reads the mask when it runs, in one graph, not by
+    breaking the graph to read it at trace time."""
+    if not bool(layout.one_run(keys)):
+        raise ValueError(PADDING_INSIDE_A_ROW)
+    return keys.clone()
+
+
+@padding_on_one_side.register_fake
+def _(keys):
+    return torch.empty_like(keys)
 
 
 def _cells(fn) -> dict:
@@ -37,15 +65,41 @@ def _parts(fn) -> list:
     return [fn]
 
 
-def pattern_window(fn) -> int | None:
+def _refuse_pattern(names) -> None:
+    raise ValueError(
+        f"sinkattn.hf: attention mask pattern {names} is not one sinkattn can express (it computes causal and "
+        f"sliding-window attention with padding and packed rows only); {_FIX} without or_mask_function / "
+        f"and_mask_function / block_sequence_ids")
+
+
+def _traced_pattern_window(fn, local_size: int | None, custom: bool) -> int | None:
+    """``pattern_window`` under ``torch.compile`` / ``torch.export`` tracing, where the closures of
+    the mask functions cannot be read (dynamo does not model ``__closure__``): Hugging Face's causal
+    function itself, or its ``and_masks`` combination of it with a sliding window (``W`` =
+    ``local_size``) or packed sequences, when no custom function was passed (``use_vmap=False``:
+    transformers sets it exactly when ``or_mask_function`` / ``and_mask_function`` is given)."""
+    from transformers import masking_utils as mu
+
+    if fn is mu.causal_mask_function:
+        return None
+    code = fn.__code__                           # dynamo reads a function's code, not its __qualname__
+    if not custom and code.co_name == "and_mask" and code.co_filename == mu.__file__:
+        return local_size
+    _refuse_pattern([code.co_name])
+
+
+def pattern_window(fn, local_size: int | None = None, custom: bool = False) -> int | None:
     """``None`` for Hugging Face's causal pattern, ``W`` for causal with sliding window ``W``.
 
     Recognised: ``causal_mask_function``, ``sliding_window_causal_mask_function(W)`` and the
     packed-sequence wrappers of either (sinkattn packs from ``position_ids`` itself). Anything
     else raises ``ValueError``: sinkattn cannot honour a mask pattern it does not know.
+    ``local_size`` and ``custom`` (transformers' ``use_vmap``) serve the traced check only.
     """
     from transformers import masking_utils as mu
 
+    if torch.compiler.is_compiling():
+        return _traced_pattern_window(fn, local_size, custom)
     causal, window, unknown = False, None, []
     for part in _parts(fn):
         name = getattr(part, "__qualname__", repr(part))
@@ -61,10 +115,7 @@ def pattern_window(fn) -> int | None:
         else:
             unknown.append(name)
     if unknown or not causal:
-        raise ValueError(
-            f"sinkattn.hf: attention mask pattern {unknown or [getattr(fn, '__qualname__', fn)]} is not one sinkattn "
-            f"can express (it computes causal and sliding-window attention with padding and packed rows only); "
-            f"{_FIX} without or_mask_function / and_mask_function / block_sequence_ids")
+        _refuse_pattern(unknown or [getattr(fn, "__qualname__", fn)])
     return window
 
 
@@ -72,8 +123,9 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   device=None, **kwargs) -> torch.Tensor | None:
     """Hugging Face's mask-interface call -> ``None`` or the real-key mask ``bool [B, n]`` (module doc)."""
+    window = local_size
     if mask_function is not None:
-        window = pattern_window(mask_function)
+        window = pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))
         if local_size is not None and window is not None and window != local_size:
             raise ValueError(f"sinkattn.hf: mask pattern has sliding window {window} but the layer asks for "
                              f"{local_size}; {_FIX} with one window")
@@ -94,6 +146,9 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
             f"sinkattn.hf: the 2-D attention_mask covers {attention_mask.shape[-1]} positions but the queries reach "
             f"position {end - 1}; pass a mask over the past and the new tokens, shape [B, {end}] or longer")
     keys = attention_mask[:, kv_offset:end].to(torch.bool)
-    if n == kv_length and bool(keys.all()):
-        return None
-    return keys
+    if torch.compiler.is_compiling():       # the mask goes to the layers unread, but for the one refusal
+        return padding_on_one_side(keys) if window is not None else keys
+    every_key_real, *one_run = torch.stack([keys.all()] + ([layout.one_run(keys)] if window else [])).tolist()
+    if one_run and not one_run[0]:
+        raise ValueError(PADDING_INSIDE_A_ROW)
+    return None if n == kv_length and every_key_real else keys

@@ -11,9 +11,11 @@ Providers (each says why when it cannot run a problem):
 * ``flex_lse``  FlexAttention with its lse and the same correction (CUDA only);
 * ``flash_attn`` flash-attn's ``flash_attn_func``, no sinks (CUDA, when installed).
 
-Every figure is a median over ``repeats`` after ``warmup`` runs, with providers
-interleaved so they share the machine's noise; FLOP rates count visible pairs
-only (``sinkattn.flops``); peak memory is the growth over the run (CUDA
+Every time is kept as the min, median and max of ``repeats`` runs after ``warmup``
+runs, with providers interleaved so they share the machine's noise; ratios and FLOP
+rates use the medians; ``noise_warning`` says when the spread (max - min over the
+median) passes ``NOISE_LIMIT``, enough to turn a ratio. FLOP rates count visible
+pairs only (``sinkattn.flops``); peak memory is the growth over the run (CUDA
 allocator peak, or the process's peak RSS on CPU).
 """
 
@@ -34,11 +36,36 @@ from .. import __version__
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from . import eager, flops
 
-__all__ = ["Problem", "Row", "CONFIGS", "PROVIDERS", "MODES", "run", "header", "time_interleaved", "common_label",
-           "sinkattn_step", "sinkattn_provider", "mode_step", "problem_inputs", "peak_growth_mib",
+__all__ = ["Problem", "Row", "Spread", "CONFIGS", "PROVIDERS", "MODES", "MODE_NAMES", "NOISE_LIMIT", "run", "header",
+           "time_repeats", "time_interleaved", "noise_warning", "common_label", "sinkattn_step", "sinkattn_provider",
+           "mode_step", "problem_inputs", "peak_growth_mib",
            "step_peak_growth_mib", "plot"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
+MODE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
+NOISE_LIMIT = 0.2
+"""A spread of repeated timings (max - min over the median) above this can turn a ratio: warn."""
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The min, median and max of repeated timings (any unit)."""
+
+    min: float
+    median: float
+    max: float
+
+    @classmethod
+    def of(cls, samples) -> Spread:
+        return cls(min(samples), statistics.median(samples), max(samples))
+
+    @property
+    def relative(self) -> float:
+        """``(max - min) / median``: 0 for one repeat."""
+        return (self.max - self.min) / self.median if self.median > 0 else 0.0
+
+    def scaled(self, factor: float) -> Spread:
+        return Spread(self.min * factor, self.median * factor, self.max * factor)
 
 
 @dataclass(frozen=True)
@@ -91,11 +118,22 @@ class Row:
     problem: Problem
     provider: str
     mode: str
-    ms: float | None = None
-    gflops: float | None = None
+    ms: float | None = None               # median of the repeats
+    ms_min: float | None = None
+    ms_max: float | None = None
+    gflops: float | None = None           # at the median
     vs_best_peer: float | None = None     # sinkattn's row: best peer time / sinkattn time
     peak_mem_mib: float | None = None
     note: str = ""
+
+    @property
+    def spread(self) -> Spread | None:
+        return None if self.ms is None else Spread(self.ms_min, self.ms, self.ms_max)
+
+    @property
+    def where(self) -> str:
+        """``sinkattn forward B=1 S=256``: which timing this is, for a message."""
+        return f"{self.provider} {MODE_NAMES[self.mode]} B={self.problem.B} S={self.problem.S}"
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -118,7 +156,7 @@ CONFIGS = {
     "cpu-quick": _sweep([64, 128], B=1, HQ=4, HKV=2, D=32),
     "cpu-window": _sweep([1024, 2048, 4096], B=1, HQ=16, HKV=4, D=64, window=(511, 0)),
     "gpu-default": _sweep([512, 1024, 2048, 4096], B=8, HQ=64, HKV=4, D=128, dtype="bfloat16"),
-    # issue 3: the Ascend kernel's configuration, dense S=8192, a packed batch with window (127, 0)
+    # the Ascend kernel's configuration, dense S=8192, a packed batch with window (127, 0)
     "gpu-targets": [Problem(8, 2048, 64, 4, 128, dtype=dt) for dt in ("float16", "bfloat16")]
     + [Problem(1, 8192, 32, 4, 128, dtype="bfloat16"),
        Problem(6, 3000, 32, 4, 128, dtype="bfloat16", window=(127, 0), lens=(3000, 1000, 517, 2048, 129, 700))],
@@ -329,9 +367,9 @@ def mode_step(fn, inputs, mode):
     return run
 
 
-def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, float]:
-    """Median seconds of each callable; within each repeat every step runs once, so they share
-    the machine's noise."""
+def time_repeats(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, list[float]]:
+    """Seconds of every repeat of each callable; within each repeat every step runs once, so they
+    share the machine's noise."""
     device = torch.device(device)
     for step in steps.values():
         for _ in range(warmup):
@@ -344,7 +382,25 @@ def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -
             step()
             _sync(device)
             samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, float]:
+    """Median seconds of each callable (``time_repeats``)."""
+    return {name: statistics.median(s) for name, s in time_repeats(steps, repeats, warmup, device).items()}
+
+
+def noise_warning(timings, limit: float = NOISE_LIMIT) -> str | None:
+    """One line when some of ``timings`` (``(what, Spread)`` pairs) spread more than ``limit``
+    between their repeats, naming the widest; None when none does."""
+    timings = list(timings)
+    noisy = [(what, spread) for what, spread in timings if spread.relative > limit]
+    if not noisy:
+        return None
+    what, widest = max(noisy, key=lambda t: t[1].relative)
+    return (f"noise: {len(noisy)} of {len(timings)} timings spread more than {limit:.0%} between their repeats "
+            f"(max - min over the median; widest: {what}, {widest.relative:.0%}), enough to turn a ratio: "
+            f"rerun on a quieter machine or with more repeats")
 
 
 def sinkattn_step(p: Problem, mode: str, device="cpu"):
@@ -412,9 +468,10 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
                 except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
                     row.note = _failed(exc)
                     steps.pop(name, None)
-            for name, seconds in time_interleaved(steps, repeats, warmup=0, device=device).items():
+            for name, seconds in time_repeats(steps, repeats, warmup=0, device=device).items():
                 row = mode_rows[name]
-                row.ms = seconds * 1e3
+                spread = Spread.of(seconds).scaled(1e3)
+                row.ms, row.ms_min, row.ms_max = spread.median, spread.min, spread.max
                 row.gflops = p.flops(mode) / (row.ms * 1e-3) / 1e9
             peers = [r.ms for n, r in mode_rows.items() if n != "sinkattn" and r.ms is not None]
             ours = mode_rows.get("sinkattn")
@@ -479,35 +536,56 @@ def header(device="cpu") -> dict:
         import triton
         info["triton"] = triton.__version__
     except ImportError:
-        info["triton"] = None
+        info["triton"] = "not installed"
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
 
 
-def plot(rows: list[Row], path: str, title: str) -> None:
-    """Time against sequence length per provider, one panel per mode (log-log)."""
+def _caveats(rows: list[Row]) -> str:
+    """The notes of the rows that were timed (``no sinks``, ...), once each."""
+    return "; ".join(dict.fromkeys(r.note for r in rows if r.ms is not None and r.note))
+
+
+def plot(rows: list[Row], path: str, title: str) -> dict[str, list[str]]:
+    """Time against sequence length per provider, one panel per mode (log-log): the median as a
+    line, the min-max of the repeats as a band, each provider's caveats in its legend entry, and
+    ``noise_warning``'s line under the panels when the spread is wide. Written in the format of
+    ``path``'s extension (any matplotlib writes). Returns each panel's title with its legend
+    entries, and the warning under ``"noise"`` (a list of none or one line)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = [m for m in MODES if any(r.mode == m for r in rows)]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.6), squeeze=False)
+    drawn = {}
     for ax, mode in zip(axes[0], modes):
         for provider in dict.fromkeys(r.provider for r in rows):
-            pts = sorted((r.problem.S, r.ms) for r in rows if r.mode == mode and r.provider == provider
-                         and r.ms is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=provider, linewidth=2.5 if provider == "sinkattn" else 1.2)
+            timed = sorted((r for r in rows if r.mode == mode and r.provider == provider and r.ms is not None),
+                           key=lambda r: r.problem.S)
+            if not timed:
+                continue
+            S = [r.problem.S for r in timed]
+            caveats = _caveats(timed)
+            line, = ax.plot(S, [r.ms for r in timed], marker="o", label=provider + (f" ({caveats})" if caveats else ""),
+                            linewidth=2.5 if provider == "sinkattn" else 1.2)
+            ax.fill_between(S, [r.ms_min for r in timed], [r.ms_max for r in timed], color=line.get_color(),
+                            alpha=0.2, linewidth=0)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length S")
-        ax.set_ylabel("median time (ms)")
-        ax.set_title(mode)
+        ax.set_ylabel("time (ms), lower is better\nline: median, band: min to max of the repeats")
+        ax.set_title(MODE_NAMES[mode])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        legend = ax.legend(fontsize=8)
+        drawn[MODE_NAMES[mode]] = [t.get_text() for t in legend.get_texts()]
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    warning = noise_warning((r.where, r.spread) for r in rows if r.ms is not None)
+    drawn["noise"] = [warning] if warning else []
+    if warning:
+        fig.text(0.5, 0.01, warning, ha="center", va="bottom", fontsize=8, color="firebrick", wrap=True)
+    fig.tight_layout(rect=(0, 0.06 if warning else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
+    return drawn

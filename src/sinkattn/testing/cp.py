@@ -19,7 +19,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS"]
+__all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS", "AUTOCAST_DTYPE"]
 
 SHAPE = dict(B=2, S=32, HQ=4, HKV=2, D=8)
 LENGTHS = (16, 0, 8, 8, 40)       # a packed batch (8, 8: one run of two); every length divisible by 8
@@ -37,6 +37,7 @@ class CPCase:
     subgroups: int = 0            # >0: run in subgroups of this size (each a full CP group)
     world_sizes: tuple[int, ...] = (2, 4)
     tile_rows: int = 0            # >0: the ring's query rows per tile (ring.TILE_ROWS) for this case
+    autocast: bool = False        # v in bf16, q/k fp32, fwd and bwd under torch.autocast("cpu", bfloat16)
 
     @property
     def name(self) -> str:
@@ -45,6 +46,7 @@ class CPCase:
         extra = "" if self.backend == "cpu" else "-" + self.backend
         extra += f"-sub{self.subgroups}" if self.subgroups else ""
         extra += f"-tile{self.tile_rows}" if self.tile_rows else ""
+        extra += "-autocast" if self.autocast else ""
         return f"{'packed' if self.packed else 'dense'}-{mask}-{self.method}-{self.layout}{extra}"
 
 
@@ -57,26 +59,41 @@ CASES += [CPCase(False, True, (3, 0), "ring", "zigzag", backend="reference"),
           CPCase(False, True, (3, 0), "ring", "zigzag", backend="triton", world_sizes=(2,)),
           CPCase(False, True, (-1, -1), "ring", "zigzag", subgroups=2),
           CPCase(False, True, (5, 0), "ring", "zigzag", tile_rows=3, repeat=True),
-          CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5)]
+          CPCase(True, False, (2, 9), "ring", "contiguous", tile_rows=5),
+          CPCase(False, True, (5, 0), "ring", "zigzag", autocast=True, world_sizes=(2,)),
+          CPCase(True, True, (-1, -1), "ulysses", "contiguous", autocast=True, world_sizes=(2,))]
 
 ERRORS = ("q shapes differ", "dtype on the last rank", "layout", "method", "not divisible", "ulysses heads",
-          "options differ", "methods differ", "packing differs", "device on the last rank", "shard not divisible",
+          "options differ", "methods differ", "packing differs", "packings collide", "one token fewer",
+          "q missing on the last rank", "device on the last rank", "packed meta on the last rank",
+          "shard not divisible", "shard shapes differ",
+          "shard_varlen packing valid on one rank", "shard_varlen packings differ", "unshard dtypes differ",
           "double backward ring", "double backward ulysses", "forward-mode AD", "torch.func.jvp")
+AUTOCAST_DTYPE = torch.bfloat16
 
 
 def inputs(case: CPCase, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full fp32 tensors of one case: q/k/v, sinks, and the upstream gradients of out and lse."""
+    """Full fp32 tensors of one case (v in ``AUTOCAST_DTYPE`` for an autocast case): q/k/v, sinks, and the
+    upstream gradients of out and lse."""
     g = torch.Generator().manual_seed(seed)
     s = SHAPE
     lead = (sum(LENGTHS),) if case.packed else (s["B"], s["S"])
     lse_shape = (s["HQ"], sum(LENGTHS)) if case.packed else (s["B"], s["HQ"], s["S"])
-    return dict(q=torch.randn(*lead, s["HQ"], s["D"], generator=g), k=torch.randn(*lead, s["HKV"], s["D"], generator=g),
-                v=torch.randn(*lead, s["HKV"], s["D"], generator=g), sinks=torch.randn(s["HQ"], generator=g),
-                dout=torch.randn(*lead, s["HQ"], s["D"], generator=g), dlse=torch.randn(*lse_shape, generator=g))
+    x = dict(q=torch.randn(*lead, s["HQ"], s["D"], generator=g), k=torch.randn(*lead, s["HKV"], s["D"], generator=g),
+             v=torch.randn(*lead, s["HKV"], s["D"], generator=g), sinks=torch.randn(s["HQ"], generator=g),
+             dout=torch.randn(*lead, s["HQ"], s["D"], generator=g), dlse=torch.randn(*lse_shape, generator=g))
+    if case.autocast:             # a mix, as gpt-oss's rotary code leaves them under autocast
+        x["v"] = x["v"].to(AUTOCAST_DTYPE)
+    return x
+
+
+def _offsets(lengths) -> torch.Tensor:
+    """int32 ``cu_seqlens`` of ``lengths``."""
+    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
 def cu_seqlens() -> torch.Tensor:
-    return torch.tensor([0, *LENGTHS], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return _offsets(LENGTHS)
 
 
 def _run_case(case: CPCase, group, cp):
@@ -101,9 +118,10 @@ def _run_case_now(case: CPCase, group, cp):
         call, seq_dim, lse_dim = cp.sink_attn_func, 1, 2
     q, k, v = (cut(x[n], seq_dim).requires_grad_() for n in "qkv")
     sinks = x["sinks"].clone().requires_grad_()
-    out, lse = call(q, k, v, sinks=sinks, causal=case.causal, window_size=case.window, return_lse=True, group=group,
-                    method=case.method, layout=case.layout, backend=case.backend)
-    ((out * cut(x["dout"], seq_dim)).sum() + (lse * cut(x["dlse"], lse_dim)).sum()).backward()
+    with torch.autocast("cpu", dtype=AUTOCAST_DTYPE, enabled=case.autocast):
+        out, lse = call(q, k, v, sinks=sinks, causal=case.causal, window_size=case.window, return_lse=True,
+                        group=group, method=case.method, layout=case.layout, backend=case.backend)
+        ((out * cut(x["dout"], seq_dim)).sum() + (lse * cut(x["dlse"], lse_dim)).sum()).backward()
     return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad, dsinks=sinks.grad)
 
 
@@ -132,16 +150,36 @@ def _error_case(which: str, rank: int, P: int, cp):
             kw["causal"] = rank == 0
         elif which == "methods differ":
             kw["method"] = "ring" if rank == 0 else "ulysses"
-        elif which == "packing differs":
-            lengths = [8 * P, 8 * P] if last else [16 * P]
-            cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-            t = 16
-            cp.sink_attn_varlen_func(torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D), cu, 16 * P)
+        elif which in ("packing differs", "packings collide", "one token fewer"):
+            lengths = {"packing differs": [8 * P, 8 * P] if last else [16 * P],
+                       "packings collide": [32, 0, 32] if last else [16, 32, 16],      # same N, T and sum((n+1) len)
+                       "one token fewer": [16 * P, 8 * P]}[which]
+            t = sum(lengths) // P - (which == "one token fewer" and last)
+            cp.sink_attn_varlen_func(torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D),
+                                     _offsets(lengths), max(lengths))
             return None
+        elif which == "q missing on the last rank" and last:
+            q = None
         elif which == "device on the last rank" and last:
             q, k, v = q.to("meta"), k.to("meta"), v.to("meta")
+        elif which == "packed meta on the last rank":
+            t, lengths = 24, [16 * P, 8 * P]
+            device = "meta" if last else "cpu"
+            cp.sink_attn_varlen_func(*(torch.randn(t, h, D, device=device) for h in (HQ, HKV, HKV)),
+                                     _offsets(lengths).to(device), max(lengths))
+            return None
         elif which == "shard not divisible":
             cp.shard(torch.randn(2, 4 * P + 1, 3), 1, layout="contiguous")
+            return None
+        elif which == "shard shapes differ":
+            cp.shard(torch.randn(2 + last, 4 * P, 3), 1)
+            return None
+        elif which.startswith("shard_varlen"):
+            lengths = [16 * P, 8 * P] if not last else ([16 * P, 8 * P + 2] if "valid" in which else [8 * P, 16 * P])
+            cp.shard_varlen(torch.randn(sum(lengths), 3), _offsets(lengths))
+            return None
+        elif which == "unshard dtypes differ":
+            cp.unshard(torch.randn(2, 8, 3, dtype=torch.float64 if last else torch.float32), 1)
             return None
         elif which.startswith("double backward"):
             out = cp.sink_attn_func(q.requires_grad_(), k, v, method=which.split()[-1], **kw)

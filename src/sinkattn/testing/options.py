@@ -18,11 +18,13 @@ import torch
 from .. import backends
 
 __all__ = ["DTYPES", "DTYPE_CHOICES", "dtype", "shape", "window", "names", "at_least", "device", "default_device",
-           "json_file", "plot_file", "out_dir", "backend_for"]
+           "json_file", "plot_file", "has_matplotlib", "out_dir", "backend_for", "CLI_EXTRAS"]
 
 DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "float32": torch.float32}
 DTYPE_CHOICES = "fp16|bf16|fp32 (or float16|bfloat16|float32)"
+CLI_EXTRAS = 'pip install -e ".[cli]" in the sinkattn source tree'
+"""The command that installs the CLI's extras (rich, matplotlib): sinkattn is installed from its source tree."""
 
 _Bad = argparse.ArgumentTypeError
 
@@ -128,11 +130,15 @@ def _can_write_in(folder: str, text: str) -> None:
         raise _Bad(f"cannot write {text!r}: no file can be made in {folder!r} ({exc.strerror or exc})") from None
 
 
+def has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def plot_file(text: str) -> str:
     """A file name as ``json_file``, in a format matplotlib writes (by its extension), matplotlib installed."""
     json_file(text)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise _Bad("plots need matplotlib: pip install 'sinkattn[cli]'")
+    if not has_matplotlib():
+        raise _Bad(f"plots need matplotlib, which is not installed: {CLI_EXTRAS}")
     from matplotlib.backend_bases import FigureCanvasBase
     formats = FigureCanvasBase.get_supported_filetypes()
     ext = os.path.splitext(text)[1].lstrip(".").lower()

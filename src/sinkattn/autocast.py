@@ -1,0 +1,52 @@
+"""``torch.autocast`` at sinkattn's public functions: the rule of SDPA, which autocast lists as
+lower precision.
+
+Inside ``torch.autocast(device_type, dtype)``, each of q, k and v on that device type whose dtype
+autocast takes (fp16, bf16, fp32; not fp64) is cast to ``dtype`` by a differentiable ``.to``, so
+``out`` comes back in ``dtype``, ``lse`` stays fp32, and gradients reach the original tensors in
+their own dtypes. The sinks are left as they are (fp32 master sinks stay fp32; ``dsinks`` in their
+dtype). Outside autocast nothing changes: a dtype mix among q, k, v stays a TypeError.
+
+The backends compute in fp32 on purpose (scores, softmax statistics, accumulations), so their own
+operations run with autocast off (``disabled``): an autocast region around the call must not
+round their fp32 matrix products to ``dtype``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["autocast_inputs", "disabled", "ELIGIBLE_DTYPES"]
+
+ELIGIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The dtypes autocast casts (its ``is_eligible``: floating point, not float64)."""
+
+
+def _autocast_dtype(x) -> torch.dtype | None:
+    """The dtype autocast casts ``x`` to, or None when it leaves ``x`` alone (not a tensor, not an
+    eligible dtype, autocast off for its device type)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in ELIGIBLE_DTYPES:
+        return None
+    device_type = x.device.type
+    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def autocast_inputs(q, k, v):
+    """``(q, k, v)`` as autocast's lower-precision rule casts them (see the module doc); each one
+    unchanged outside autocast or when not eligible (anything else is left for validation to refuse)."""
+    cast = []
+    for x in (q, k, v):
+        dtype = _autocast_dtype(x)
+        cast.append(x if dtype is None else x.to(dtype))
+    return tuple(cast)
+
+
+def disabled(device: torch.device):
+    """A context with autocast off on ``device``'s type, for the backends' own fp32 computations."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)

@@ -1,0 +1,195 @@
+"""CPU path for packed short sequences, many at a time.
+
+A sequence of a packed batch is short (``takes``) when it has at most ``SHORT_LENGTH`` queries and
+keys. One kernel call per such sequence would cost far more than its attention (a 1-3 token
+sequence: about 45 us for a few hundred flops); instead the short sequences of a call are gathered
+into buckets of one padded shape ``(Pq, Pk) = (padded_length(Lq), padded_length(K))`` (``K``: the
+keys its rows can see, ``masks.block_key_range``), zero-filled and masked past each sequence's own
+lengths, and each bucket's ``[Pq, Pk]`` scores are materialized at once with ``cpu_slab``'s block
+algebra (exact at any score size); results are scattered back to the token layout. (A dense batch,
+whose sequences share their lengths, and a run of consecutive equal-length sequences are one kernel
+call on the other paths.)
+
+A sequence's padded shape depends on its own lengths only; a batch holds at most ``SLAB_ELEMENTS``
+scores, and each sequence at most ``SHORT_LENGTH**2`` per head, so memory stays O(tokens x heads);
+Python loops run per bucket, not per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import masks
+from . import buffers
+from .cpu_slab import SLAB_ELEMENTS, block_backward, block_forward, sink_rows
+from .layout import Sequences, token_ranges
+
+__all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH"]
+
+SHORT_LENGTH = 16
+"""Sequences with at most this many queries and keys are batched here. Measured by
+``benchmarks/packing.py`` (its threshold section: fwd+bwd per visible pair against 1024-token
+sequences, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): at L = 2 / 8 / 16
+batched 54x / 17x / 12x, one kernel call per sequence 322x / 43x / 16x; at L = 24 one call each
+(8.0x) beats the batch (10.1x). Decoding rows against hundreds of keys are cheaper one call each too."""
+
+
+def padded_length(L: torch.Tensor) -> torch.Tensor:
+    """int64 ``L`` rounded up elementwise to its bucket size: exact to 16, then 8 sizes per octave
+    (at most 1/8 padding); 1 for 0."""
+    bits = torch.frexp((L - 1).clamp(min=1).double())[1]          # (L - 1).bit_length()
+    step = torch.pow(2, (bits - 4).clamp(min=0)).to(L.dtype)
+    return torch.where(L <= 16, L.clamp(min=1), (L + step - 1) // step * step)
+
+
+def takes(Lq: torch.Tensor, Lk: torch.Tensor, HQ: int) -> torch.Tensor:
+    """bool: whether this path computes the sequences of ``Lq >= 1`` queries and ``Lk`` keys (int64, elementwise)."""
+    return (torch.maximum(Lq, Lk) <= SHORT_LENGTH) & (HQ * padded_length(Lq) * padded_length(Lk) <= SLAB_ELEMENTS)
+
+
+@dataclass
+class _Gathered:
+    """``n`` packed sequences copied into one padded shape: row ``i`` of sequence ``b`` is query token
+    ``rows[b, i]`` (where ``row_ok``), key slot ``j`` is key token ``slots[b, j]`` (where ``slot_ok``);
+    ``unseen`` lists the keys of these sequences that no row sees. Query-side tensors and statistics
+    are gathered straight into the stacked layout ``[n, HKV, G*Pq, ...]`` (row ``g*Pq + i`` is head
+    ``g`` of the group, query ``i``), one copy each; padding is 0."""
+
+    rows: torch.Tensor        # int64 [n, Pq]
+    row_ok: torch.Tensor      # bool [n, Pq]
+    slots: torch.Tensor       # int64 [n, Pk]
+    slot_ok: torch.Tensor     # bool [n, Pk]
+    mask: torch.Tensor        # bool [n, Pq, Pk]
+    unseen: torch.Tensor      # int64 [U]
+    HKV: int
+
+    def __post_init__(self):
+        self.rows_full, self.slots_full = bool(self.row_ok.all()), bool(self.slot_ok.all())
+
+    def _heads(self, H: int):     # index tensors of the KV head and the head within the group
+        G = H // self.HKV
+        return torch.arange(self.HKV).view(1, -1, 1, 1), torch.arange(G).view(1, 1, -1, 1), G
+
+    def queries(self, x):         # [T, HQ, D] -> [n, HKV, G*Pq, D]
+        h, g, G = self._heads(x.shape[1])
+        out = x.view(x.shape[0], self.HKV, G, x.shape[2])[self.rows[:, None, None], h, g]    # [n, HKV, G, Pq, D]
+        if not self.rows_full:
+            out.masked_fill_(~self.row_ok[:, None, None, :, None], 0.0)
+        return out.flatten(2, 3)
+
+    def stat(self, s):            # [HQ, T] -> [n, HKV, G*Pq]
+        h, g, G = self._heads(s.shape[0])
+        out = s.view(self.HKV, G, s.shape[1])[h, g, self.rows[:, None, None]]             # [n, HKV, G, Pq]
+        if not self.rows_full:
+            out.masked_fill_(~self.row_ok[:, None, None, :], 0.0)
+        return out.flatten(2, 3)
+
+    def keys(self, x):            # [T, HKV, D] -> [n, HKV, Pk, D]
+        if x.shape[0] == 0:       # the call has no key at all
+            return x.new_zeros(self.slots.shape[0], self.HKV, self.slots.shape[1], x.shape[2])
+        out = x[self.slots[:, None], torch.arange(self.HKV).view(1, -1, 1)]
+        if not self.slots_full:
+            out.masked_fill_(~self.slot_ok[:, None, :, None], 0.0)
+        return out
+
+    def put_queries(self, dst, value):
+        h, g, G = self._heads(dst.shape[1])
+        value = value.unflatten(2, (G, -1))                                               # [n, HKV, G, Pq, D]
+        if self.rows_full:
+            dst.view(dst.shape[0], self.HKV, G, dst.shape[2]).index_put_((self.rows[:, None, None], h, g), value)
+        else:
+            dst.index_copy_(0, self.rows[self.row_ok], value.permute(0, 3, 1, 2, 4)[self.row_ok].flatten(1, 2))
+
+    def put_stat(self, dst, value):
+        h, g, G = self._heads(dst.shape[0])
+        value = value.unflatten(2, (G, -1))                                               # [n, HKV, G, Pq]
+        if self.rows_full:
+            dst.view(self.HKV, G, dst.shape[1]).index_put_((h, g, self.rows[:, None, None]), value)
+        else:
+            dst[:, self.rows[self.row_ok]] = value.permute(1, 2, 0, 3)[:, :, self.row_ok].flatten(0, 1)
+
+    def put_keys(self, dst, value):     # value [n, HKV, Pk, D]; keys no row sees get 0
+        if self.slots_full:
+            dst.index_put_((self.slots[:, None], torch.arange(self.HKV).view(1, -1, 1)), value)
+        else:
+            dst.index_copy_(0, self.slots[self.slot_ok], value.transpose(1, 2)[self.slot_ok])
+        if self.unseen.numel():
+            dst.index_fill_(0, self.unseen, 0.0)
+
+
+def _gathered(seqs: Sequences, k0: torch.Tensor, k1: torch.Tensor, Pq: int, Pk: int, HKV: int, left: int,
+              right: int) -> _Gathered:
+    """One bucket of ``seqs``, whose rows see the keys ``[k0, k1)`` (int64 ``[n]``), padded to ``(Pq, Pk)``."""
+    i, j = torch.arange(Pq), torch.arange(Pk)
+    row_ok = i < seqs.Lq[:, None]
+    slot_ok = j < (k1 - k0)[:, None]
+    rows = torch.where(row_ok, seqs.tq[:, None] + i, 0)          # padding reads token 0, then zeroed
+    slots = torch.where(slot_ok, (seqs.tk + k0)[:, None] + j, 0)
+    seen = masks.visible(i, (k0[:, None] + j)[:, None, :], seqs.Lq[:, None], seqs.Lk[:, None], left, right)
+    mask = seen & row_ok[:, :, None] & slot_ok[:, None, :]
+    unseen = torch.cat([token_ranges(seqs.tk, k0), token_ranges(seqs.tk + k1, seqs.Lk - k1)])
+    return _Gathered(rows, row_ok, slots, slot_ok, mask, unseen, HKV)
+
+
+def _gathered_batches(seqs: Sequences, HQ: int, HKV: int, left: int, right: int):
+    """Buckets of one padded shape, in a fixed order, each cut to at most ``SLAB_ELEMENTS`` scores."""
+    k0, _ = masks.row_key_bounds(torch.zeros_like(seqs.Lq), seqs.Lq, seqs.Lk, left, right)
+    _, k1 = masks.row_key_bounds(seqs.Lq - 1, seqs.Lq, seqs.Lk, left, right)
+    k1 = torch.maximum(k0, k1)
+    Pq, Pk = padded_length(seqs.Lq), padded_length(k1 - k0)
+    order = torch.sort(Pq * (Pk.max() + 1) + Pk, stable=True)
+    shapes, counts = torch.unique_consecutive(order.values, return_counts=True)
+    start = 0
+    for count in counts.tolist():
+        index = order.indices[start:start + count]
+        pq, pk = int(Pq[index[0]]), int(Pk[index[0]])
+        step = max(1, SLAB_ELEMENTS // (HQ * pq * pk))
+        for b0 in range(0, count, step):
+            chunk = index[b0:b0 + step]
+            part = Sequences(seqs.tq[chunk], seqs.tk[chunk], seqs.Lq[chunk], seqs.Lk[chunk])
+            yield _gathered(part, k0[chunk], k1[chunk], pq, pk, HKV, left, right)
+        start += count
+
+
+def _batches(small: Sequences | None, HQ: int, HKV: int, left: int, right: int):
+    return () if small is None else _gathered_batches(small, HQ, HKV, left, right)
+
+
+def _group_mask(mask: torch.Tensor, G: int) -> torch.Tensor:
+    """``[n, R, K]`` -> ``[n, 1, G*R, K]``, broadcastable to the stacked scores ``[n, HKV, G*R, K]``."""
+    return mask.repeat(1, G, 1)[:, None]
+
+
+def forward(q, k, v, small, softmax_scale, left, right, literal=False, sinks=None, out=None, lse=None):
+    """``(out [Tq, HQ, D], lse [HQ, Tq])`` fp32 on the rows of the small sequences (``layout.Split.small``),
+    written into ``out``/``lse`` when given, else into new buffers (the call's sequences are then all
+    small): the final results, the sink (``sinks [HQ]`` or None) in the softmax. A sequence's values
+    depend on its own inputs only (its padded shape is a function of its lengths)."""
+    (Tq, HQ, D), HKV = q.shape, k.shape[1]
+    G = HQ // HKV
+    if out is None:
+        out, lse = buffers.new((Tq, HQ, D), torch.float32, q.device), buffers.new((HQ, Tq), torch.float32, q.device)
+    for batch in _batches(small, HQ, HKV, left, right):
+        qs = batch.queries(q)
+        o, lse_b = block_forward(qs, batch.keys(k), batch.keys(v), _group_mask(batch.mask, G), softmax_scale, literal,
+                                 sink_rows(sinks, HKV, qs.shape[2] // G))
+        batch.put_queries(out, o)
+        batch.put_stat(lse, lse_b)
+    return out, lse
+
+
+def backward(do, dlse, q, k, v, sinks, small, dq, dk, dv, softmax_scale, left, right, literal=False):
+    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of the small sequences (``layout.Split.small``)."""
+    HQ, HKV = q.shape[1], k.shape[1]
+    G = HQ // HKV
+    for batch in _batches(small, HQ, HKV, left, right):
+        qs = batch.queries(q)
+        dl = batch.stat(dlse.float())[..., None] if dlse is not None else None
+        dq_s, dk_b, dv_b = block_backward(qs, batch.keys(k), batch.keys(v), batch.queries(do), dl,
+                                          sink_rows(sinks, HKV, qs.shape[2] // G), _group_mask(batch.mask, G),
+                                          softmax_scale, literal)
+        batch.put_queries(dq, dq_s)
+        batch.put_keys(dk, dk_b)
+        batch.put_keys(dv, dv_b)

@@ -1,0 +1,115 @@
+"""``torch.compile`` of a small gpt-oss (2 layers: sliding window 8, full) with
+``attn_implementation="sinkattn"``, first compile in a fresh process, every call compared with the same
+model run without compile and checked for graph breaks:
+
+    inductor   the default backend: padding and packing in one batch (the fixed-shape layout's
+               sort, search and scatter lowered by inductor), forward and backward (logits and
+               every parameter gradient)
+    loop       15 calls mixing the layouts (dense, padded, packed by cu_seq_lens_* / max_length_*,
+               packed by position_ids, padding and packing in one batch) and their lengths, under
+               dynamo with the eager backend (graph breaks and recompiles are dynamo's; inductor
+               would add minutes of kernel compilation); no call may reach the recompile limit
+               (fail_on_recompile_limit_hit turns a silent fallback to eager into an error)
+
+Only the padded layouts may break the graph; none does today. Run as a script with the mode
+(``tests/test_hf.py`` starts it in a fresh process); prints one line per call and exits non-zero on
+the first mismatch, graph break or recompile-limit hit.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+import sinkattn.hf  # noqa: E402
+from sinkattn.testing import gpt_oss  # noqa: E402
+from transformers import DataCollatorWithFlattening  # noqa: E402
+
+NO_BREAK = ("dense", "cu_seq_lens", "position_ids")     # layouts that must trace without a graph break
+
+
+def dense(B, S):
+    return dict(input_ids=torch.randint(1, 128, (B, S)))
+
+
+def padded(B, S):
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, S // 2:] = 0                                 # one right-padded row, the others full
+    return dict(input_ids=torch.randint(1, 128, (B, S)), attention_mask=mask)
+
+
+def cu_seq_lens(*lengths):
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    batch = collate([{"input_ids": torch.randint(1, 128, (n,)).tolist()} for n in lengths])
+    batch.pop("labels")
+    return dict(batch)
+
+
+def position_ids(*lengths):
+    return dict(input_ids=torch.randint(1, 128, (1, sum(lengths))),
+                position_ids=torch.cat([torch.arange(n) for n in lengths])[None])
+
+
+def padded_and_packed(S, *lengths):
+    """Row 0 packs ``lengths`` (positions restart at 0); row 1 holds one sequence, right-padded to S."""
+    pos = torch.zeros(2, S, dtype=torch.long)
+    pos[0, :sum(lengths)] = torch.cat([torch.arange(n) for n in lengths])
+    pos[1] = torch.arange(S)
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[0, sum(lengths):] = 0
+    mask[1, S - 3:] = 0
+    return dict(input_ids=torch.randint(1, 128, (2, S)), attention_mask=mask, position_ids=pos)
+
+
+BATCHES = [
+    ("dense", dense(2, 12)), ("padded", padded(2, 16)), ("cu_seq_lens", cu_seq_lens(5, 9)),
+    ("position_ids", position_ids(4, 8)), ("dense", dense(2, 20)), ("padded+packed", padded_and_packed(18, 6, 10)),
+    ("cu_seq_lens", cu_seq_lens(7, 3, 11)), ("padded", padded(2, 22)), ("position_ids", position_ids(9, 9, 2)),
+    ("dense", dense(2, 30)), ("cu_seq_lens", cu_seq_lens(13, 6)), ("padded+packed", padded_and_packed(21, 11, 9)),
+    ("position_ids", position_ids(3, 17)), ("dense", dense(2, 17)), ("cu_seq_lens", cu_seq_lens(3, 3, 3, 3)),
+]
+
+
+def check(compiled, model, layout, batch, grads=False):
+    before = sum(counters["graph_break"].values())
+    got = compiled(**batch).logits
+    breaks = sum(counters["graph_break"].values()) - before
+    want = model(**batch).logits
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    line = f"{layout} {tuple(batch['input_ids'].shape)}: logits rel err {err:.1e}, graph breaks {breaks}"
+    assert err <= 1e-5, line
+    assert layout not in NO_BREAK or breaks == 0, line
+    if grads:
+        weights = torch.randn(got.shape)
+        compiled_grads = torch.autograd.grad((got * weights).sum(), list(model.parameters()), allow_unused=True)
+        eager_grads = torch.autograd.grad((want * weights).sum(), list(model.parameters()), allow_unused=True)
+        worst = max(((a - b).abs().max() / b.abs().max()).item()
+                    for a, b in zip(compiled_grads, eager_grads) if b is not None and b.abs().max() > 0)
+        line += f", worst parameter gradient rel err {worst:.1e}"
+        assert worst <= 1e-4, line
+    print(line, flush=True)
+
+
+def main():
+    mode = sys.argv[1]
+    torch.manual_seed(0)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    name = sinkattn.hf.register()
+    model = gpt_oss.model(gpt_oss.config(num_hidden_layers=2), attn_implementation=name)
+    if mode == "inductor":
+        compiled = torch.compile(model)
+        check(compiled, model, "padded+packed", padded_and_packed(18, 6, 10), grads=True)
+    else:
+        compiled = torch.compile(model, backend="eager")
+        with torch.no_grad():
+            for layout, batch in BATCHES:
+                check(compiled, model, layout, batch)
+    print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

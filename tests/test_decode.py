@@ -1,0 +1,96 @@
+"""Inference on dense batches (KV-cache decoding): eager calls without gradients run the cpu backend's one
+fused kernel call on the tensors as they are (``cpu.forward_dense``), without the custom op's dispatch.
+Its values are the training forward's, bitwise (exactly at large scores, where the two take different
+kernels: Gate A against the golden), and every other kind of call still goes through the op."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import sinkattn
+from sinkattn import ops
+from sinkattn.backends import cpu
+from sinkattn.testing import precision
+
+HQ, HKV, D = 8, 2, 32
+
+
+def _inputs(B, Sq, Sk, dtype=torch.float32, scale=1.0, heads_first=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Sq, HQ, D, generator=g) * scale
+    k = torch.randn(B, Sk, HKV, D, generator=g) * scale
+    v = torch.randn(B, Sk, HKV, D, generator=g)
+    if heads_first:       # Hugging Face's cache layout [B, H, S, D], handed over transposed
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    return q.to(dtype), k.to(dtype), v.to(dtype), torch.randn(HQ, generator=g)
+
+
+def _both(q, k, v, sinks, **options):
+    """(inference result, training-forward result), each ``(out, lse)``."""
+    with torch.no_grad():
+        inference = sinkattn.sink_attn_func(q, k, v, sinks=sinks, return_lse=True, **options)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    training = sinkattn.sink_attn_func(*leaves, sinks=sinks, return_lse=True, **options)
+    return inference, [t.detach() for t in training]
+
+
+CALLS = {
+    "decode": ((1, 1, 16), dict(causal=True)),
+    "decode-batch": ((4, 1, 300), dict(causal=True)),
+    "decode-window": ((2, 1, 37), dict(causal=True, window_size=(7, 0))),
+    "speculative": ((2, 4, 40), dict(causal=True)),
+    "prefill": ((3, 16, 16), dict(causal=True)),
+    "full": ((2, 5, 9), dict()),
+}
+
+
+@pytest.mark.parametrize("heads_first", [False, True], ids=["tokens-first", "heads-first"])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_inference_equals_the_training_forward(call, heads_first):
+    (B, Sq, Sk), options = CALLS[call]
+    (out, lse), (out_t, lse_t) = _both(*_inputs(B, Sq, Sk, heads_first=heads_first), **options)
+    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+    assert out.shape == (B, Sq, HQ, D) and lse.shape == (B, HQ, Sq) and out.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 30.0], ids=["scores-small", "scores-large"])
+def test_inference_passes_gate_a(dtype, scale):
+    q, k, v, sinks = _inputs(3, 1, 50, dtype=dtype, scale=scale)
+    assert (cpu.path_for(q.float(), k.float(), D ** -0.5) is cpu.cpu_slab) == (scale > 1)
+    with torch.no_grad():
+        out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, window_size=(20, 0), return_lse=True)
+        gold, gold_lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, window_size=(20, 0),
+                                                 return_lse=True, backend="reference")
+    assert out.dtype == dtype
+    assert precision.check("o", out, gold, dtype=dtype).gate_a
+    assert precision.check("lse", lse, gold_lse, dtype=torch.float32).gate_a
+
+
+def _op_refused(*args, **kwargs):
+    raise AssertionError("sinkattn::forward was dispatched")
+
+
+def test_inference_skips_the_op_and_training_uses_it(monkeypatch):
+    q, k, v, sinks = _inputs(2, 1, 24)
+    monkeypatch.setattr(ops, "forward", _op_refused)
+    with torch.no_grad():
+        sinkattn.sink_attn_func(q, k, v, sinks=torch.nn.Parameter(sinks), causal=True)    # a model's sinks
+        cu = torch.tensor([0, 1, 2], dtype=torch.int32)                                    # packed: the op's body
+        sinkattn.sink_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu, cu, 1, 1, sinks=sinks)
+    with pytest.raises(AssertionError, match="dispatched"):
+        sinkattn.sink_attn_func(q, k, v.requires_grad_(), sinks=sinks, causal=True)
+
+
+def test_modes_and_subclasses_get_the_op():
+    """Anything that intercepts torch calls (a FLOP counter, fake tensors, compile) sees the op."""
+    q, k, v, sinks = _inputs(2, 1, 24)
+    assert ops.is_plain_eager(q, k, v, sinks, None)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True)
+        assert not ops.is_plain_eager(q, k, v, sinks)
+    assert counter.get_total_flops() >= 0
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        assert not ops.is_plain_eager(mode.from_tensor(q))
+    assert not ops.is_plain_eager(q.requires_grad_())
