@@ -239,6 +239,7 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
                                    PRECISION, COMPENSATED, UPCAST, MASKED=True)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = (m_i + tl.log2(l_i)) * _LN2
+    lse = tl.where(m_i == float("inf"), float("inf"), lse)        # a +inf score: l is NaN, lse is +inf
     # special sinks: +inf takes all the mass; NaN poisons the rows that have keys
     log2_l = tl.log2(l_i)
     sink_inf = sink == float("inf")
