@@ -130,6 +130,19 @@ def block_counts(report: Report, problems: dict) -> None:
             f"{r['kernel']} {r['interior_share']:.3f}" for r in sm90))
 
 
+def blocks_markdown(rows: list[dict], problems: dict, chip: str = "sm90") -> str:
+    """docs/backends.md's table of unmasked / masked (tile, block) pairs on ``chip``, from the ``blocks`` rows."""
+    lines = [f"| shape ({chip} tiles) | forward: unmasked / masked (tile, block) pairs | dQ | dK/dV |",
+             "|---|---|---|---|"]
+    for name, p in problems.items():
+        cells = []
+        for kernel in ("fwd", "dq", "dkdv"):
+            r = next(r for r in rows if (r["problem"], r["chip"], r["kernel"]) == (name, chip, kernel))
+            cells.append(f"{r['interior']:,} / {r['cut']:,} ({r['interior_share']:.1%})")
+        lines.append(f"| {name}: {p.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- check
 
 def correctness(report: Report, device: str, tiny: bool) -> bool | None:
@@ -343,6 +356,7 @@ def main(argv=None) -> int:
     ok = None                                   # None: not checked
     if "blocks" in sections:
         block_counts(report, speed_problems(tiny=False))       # host arithmetic: full size even when tiny
+        print(blocks_markdown(report.data["blocks"], speed_problems(tiny=False)), flush=True)
     if "check" in sections:
         ok = correctness(report, device, tiny)
     if "speed" in sections:
