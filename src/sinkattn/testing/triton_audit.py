@@ -326,13 +326,17 @@ def markdown(entries) -> str:
             for fp32 in (False, True):
                 es = [e for e in entries if e["config"]["chip"] == chip and e["config"]["kernel"] == kernel
                       and (e["config"]["dtype"] == "float32") == fp32 and not e["error"]]
+                if not es:                      # not in this run (--only)
+                    cells.append("-")
+                    continue
                 regs = max(e["registers"] for e in es)
                 smem = max(e["shared_bytes"] for e in es) / 1024
                 cell = f"{len(es)}, {regs}, {smem:.0f} KiB"
                 if fp32:
                     cell += f", {sum(1 for e in es if e['spill_stores'])}"
                 cells.append(cell)
-            lines.append(f"| {chip} ({spec.shared_bytes // 1024} KiB) | {kernel} | {cells[0]} | {cells[1]} |")
+            if cells != ["-", "-"]:
+                lines.append(f"| {chip} ({spec.shared_bytes // 1024} KiB) | {kernel} | {cells[0]} | {cells[1]} |")
     spills = [e for e in entries if e["config"]["dtype"] == "float32" and e["spill_stores"]]
     lines += ["", "fp32 configurations that spill (bytes of spill stores / loads per thread):", ""]
     if spills:
