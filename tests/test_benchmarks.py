@@ -43,7 +43,7 @@ def test_gpu_benchmark_end_to_end_on_tiny_shapes(tmp_path):
     assert {r["chip"] for r in report["blocks"]} == {"sm80", "sm86", "sm90", "sm100"}
     assert {r["problem"] for r in report["blocks"]} >= {"ascend fp16", "gpt-oss packed window 128"}
     assert "verdict: correctness PASS" in stdout
-    blocks_table = "\n".join(line for line in stdout.splitlines() if line.startswith("| "))
+    blocks_table = "\n".join(line for line in stdout.splitlines() if line.startswith("|"))
     assert blocks_table.startswith("| shape (sm90 tiles)")
     assert blocks_table in (ROOT / "docs" / "backends.md").read_text()
 
