@@ -311,11 +311,11 @@ def _skeleton(line: str) -> str:
     return " ".join(re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", line).split())
 
 
-def test_readme_sample_output_is_what_the_main_job_prints_now(tmp_path, capsys, monkeypatch):
-    """The titles, verdict, bench header keys and footnotes of the README's sample of ``python -m sinkattn``
+def test_documented_sample_output_is_what_the_main_job_prints_now(tmp_path, capsys, monkeypatch):
+    """The titles, verdict, bench header keys and footnotes of docs/cli.md's sample of ``python -m sinkattn``
     are what the current code prints (its figures differ from run to run, its words must not)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    sample = re.search(r"^```\n\$ python -m sinkattn\n(.*?)^```", readme, flags=re.S | re.M).group(1).splitlines()
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    sample = re.search(r"^```\n\$ python -m sinkattn\n(.*?)^```", page, flags=re.S | re.M).group(1).splitlines()
     monkeypatch.setenv("COLUMNS", "130")
     monkeypatch.chdir(tmp_path)
     assert cli.main([]) == 0

@@ -7,7 +7,7 @@
 transformers is imported by ``register`` only (``import sinkattn`` / ``import sinkattn.hf`` never
 imports it). ``attention_forward`` is the function registered in ``transformers.AttentionInterface``,
 ``key_mask`` the one in ``transformers.masking_utils.AttentionMaskInterface``. What it supports
-and refuses: the README's "Hugging Face (gpt-oss)" section.
+and refuses: docs/hf.md.
 """
 
 from .attention import attention_forward

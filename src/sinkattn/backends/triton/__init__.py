@@ -42,12 +42,12 @@ relative to each term, not to the sum, so where terms cancel the product misses 
 2^-6); ``dsinks`` inherits the forward's error through ``Delta = <dO, o>``. Measured through the
 interpreter on the tests' random packed batches (``benchmarks/compensated.py --seeds 128``):
 ``False`` fails Gate A on 68 of 128 fp16 batches (worst ratio dk 0.898) and 52 of 128 bf16 ones
-(o, dq, dk, dv; dsinks down to ratio 0.0); ``True`` on none (README, "Compensated products").
+(o, dq, dk, dv; dsinks down to ratio 0.0); ``True`` on none (docs/backends.md, "Compensated (hi/lo) products").
 
 Cost, in matrix products per visited (query block, key block) pair, all of the same size
 ``2 BM BN D`` flops: forward 2 -> 3; backward 7 -> 10 (dK/dV kernel 4 -> 6, dQ kernel 3 -> 4), or
 9 -> 12 when ``EXACT_DELTA`` adds two; plus a cast and a subtraction per element of each split tile.
-``False`` (set before the call) is the faster opt-out, with the errors stated in the README."""
+``False`` (set before the call) is the faster opt-out, with the errors stated in docs/backends.md."""
 
 
 def _compensated(dtype: torch.dtype) -> bool:
