@@ -21,14 +21,38 @@ def test_cpu_benchmark_quick(tmp_path):
     assert "vs sdpa" in run.stdout and "peak growth" in run.stdout
 
 
-def test_gpu_benchmark_correctness_part_without_gpu(tmp_path):
+def _gpu_benchmark(tmp_path, *args):
     out = tmp_path / "gpu.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--json", str(out)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--tiny", "--json", str(out), *args],
                          capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout + run.stderr
-    report = json.loads(out.read_text())
-    assert report["correctness"] and all(r["passed"] for r in report["correctness"])
-    assert "verdict: correctness PASS" in run.stdout
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_gpu_benchmark_end_to_end_on_tiny_shapes(tmp_path):
+    """Every section of the GPU benchmark through the interpreter (its figures are not GPU figures)."""
+    report, stdout = _gpu_benchmark(tmp_path, "--sections", "blocks,check,speed,sweep")
+    assert report["verdict"] == {"correctness_passed": True, "finished": True}
+    assert len(report["check"]) == 2 and all(r["passed"] and r["deterministic"] for r in report["check"])
+    timed = {(r["problem"], r["provider"], r["mode"]) for r in report["speed"] if r["ms"]}
+    for problem in ("tiny causal fp16", "tiny packed w8 bf16"):
+        assert {(problem, p, m) for p in ("sinkattn", "sinkattn_nosink") for m in ("fwd", "bwd", "fwdbwd")} <= timed
+    assert ("tiny causal fp16", "sdpa_flash", "fwdbwd") in timed
+    assert {(r["kernel"], r["table_choice"]) for r in report["sweep"] if "ms" in r} >= {
+        (k, True) for k in ("fwd", "dq", "dkdv")}
+    assert {r["chip"] for r in report["blocks"]} == {"sm80", "sm86", "sm90", "sm100"}
+    assert {r["problem"] for r in report["blocks"]} >= {"ascend fp16", "gpt-oss packed window 128"}
+    assert "verdict: correctness PASS" in stdout
+    blocks_table = "\n".join(line for line in stdout.splitlines() if line.startswith("|"))
+    assert blocks_table.startswith("| shape (sm90 tiles)")
+    assert blocks_table in (ROOT / "docs" / "backends.md").read_text()
+
+
+def test_gpu_benchmark_skips_what_the_time_budget_leaves_no_time_for(tmp_path):
+    report, stdout = _gpu_benchmark(tmp_path, "--budget", "1", "--sections", "check,speed")
+    assert report["check"] and all(r["skipped"] == "time budget" for r in report["check"])
+    assert report["speed"] and all(r["skipped"] == "time budget" for r in report["speed"])
+    assert report["verdict"]["finished"]
 
 
 def test_hf_benchmark_quick(tmp_path):

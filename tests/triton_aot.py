@@ -1,49 +1,92 @@
-"""Compile every Triton kernel for real GPU targets (sm_80, sm_90) without a GPU.
+"""The recorded resource audit is current, and the hardest configurations still build as recorded.
 
-Run as a script, outside the interpreter (``TRITON_INTERPRET`` unset): the
-interpreter accepts code the GPU compiler rejects (globals that are not
-constexpr, for one), so this is the check that the kernels build for hardware.
-Prints one line per (dtype, arch, head dim) and exits non-zero on any failure.
+Run as a script, outside the interpreter (``TRITON_INTERPRET`` unset: the interpreter accepts code
+the GPU compiler rejects, and its kernels cannot be compiled for a GPU):
+
+1. every configuration the backend can choose today (``triton_audit.configs()``) has an entry in
+   ``benchmarks/results/triton-audit.json`` whose key matches: same kernel source, launch
+   signature, constexprs, tile and arch, with the record's Triton and ptxas versions. A kernel or
+   table change without a rerun of the audit fails here, whatever Triton is installed;
+2. the hardest entry of each chip (most registers, then most shared memory, among fp16 / bf16)
+   is compiled again for its chip. With the record's Triton and ptxas its shared memory,
+   registers, stack and spills must equal the recorded ones; with another Triton (a fresh install
+   takes the newest) they must keep within the limits (``triton_audit.problems``), and the output
+   says the record is for another toolchain.
+
+Prints one ``compiled`` line per live compile; exits non-zero on any failure.
 """
 
+import concurrent.futures
+import json
+import multiprocessing
 import sys
+import time
+from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sinkattn.testing import triton_audit as audit
 
-from sinkattn.backends.triton import kernels
-
-SCALARS_FP32 = ("scale_log2", "softmax_scale")
-
-
-def _signature(fn, pointers, constexprs):
-    return {name: "constexpr" if name in constexprs else pointers.get(name) or
-            ("fp32" if name in SCALARS_FP32 else "i32") for name in fn.arg_names}
+RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "triton-audit.json"
+FIGURES = ("shared_bytes", "registers", "stack_bytes", "spill_stores", "spill_loads")
+RERUN = f"python -m sinkattn.testing.triton_audit --reuse {RECORD} --out {RECORD} --markdown"
 
 
-def _compile(fn, pointers, constexprs, arch):
-    src = ASTSource(fn=fn, signature=_signature(fn, pointers, constexprs), constexprs=constexprs)
-    triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, num_stages=2))
+def stale(record: dict) -> list[str]:
+    tools = record["toolchain"] | dict(kernels_sha256=audit.toolchain()["kernels_sha256"])
+    entries = {e["name"]: e for e in record["entries"]}
+    out = []
+    for cfg in audit.configs():
+        entry = entries.get(cfg.name)
+        if entry is None:
+            out.append(f"{cfg.name}: not in the record")
+        elif entry["key"] != audit.entry_key(cfg, tools):
+            out.append(f"{cfg.name}: changed since it was recorded (kernel source, table or launch arguments)")
+    return out
 
 
-def main(configs):
-    for dt, arch, D in configs:
-        block_d = max(16, triton.next_power_of_2(D))
-        BM, BN = (64, 32) if D <= 128 else (32, 16)
-        ptrs = {n: f"*{dt}" for n in ("Q", "K", "V", "DO")}
-        ptrs.update({n: "*fp32" for n in ("SINKS", "O", "LSE", "M2", "L2", "DELTA", "DK", "DV", "DQ", "DLSE")})
-        ptrs.update(CU_Q="*i32", CU_K="*i32")
-        common = dict(G=4, BLOCK_D=block_d, BM=BM, BN=BN, PRECISION="ieee" if dt == "fp32" else "tf32",
-                      COMPENSATED=dt != "fp32", UPCAST=False)
-        _compile(kernels.fwd_kernel, ptrs, common, arch)
-        _compile(kernels.dkdv_kernel, ptrs, common, arch)
-        for exact in (False, True):
-            _compile(kernels.dq_kernel, ptrs, dict(common, EXACT_DELTA=exact, HAS_DLSE=exact), arch)
-        _compile(kernels.delta_kernel, ptrs, dict(HAS_DLSE=True, BLOCK_T=64, BLOCK_D=block_d), arch)
-        print(f"compiled {dt} sm_{arch} D={D}", flush=True)
+def hardest(record: dict) -> list[audit.Config]:
+    picked = {}
+    for e in record["entries"]:
+        if e["config"]["dtype"] == "float32" or e["error"]:
+            continue
+        best = picked.get(e["config"]["chip"])
+        if best is None or (e["registers"], e["shared_bytes"]) > (best["registers"], best["shared_bytes"]):
+            picked[e["config"]["chip"]] = e
+    return [audit.Config(**e["config"]) for e in picked.values()]
+
+
+def main() -> int:
+    record = json.loads(RECORD.read_text())
+    problems = stale(record)
+    if problems:
+        print(f"{len(problems)} configurations differ from {RECORD.name}; rerun: {RERUN}")
+        print("\n".join(f"  {p}" for p in problems[:20]))
+        return 1
+    print(f"{len(record['entries'])} recorded configurations match the code")
+    entries = {e["name"]: e for e in record["entries"]}
+    tools = audit.toolchain()
+    recorded = record["toolchain"]
+    same_tools = (tools["triton"], tools["ptxas"]) == (recorded["triton"], recorded["ptxas"])
+    if not same_tools:
+        print(f"the record is for Triton {recorded['triton']} (ptxas {recorded['ptxas']}), this is Triton "
+              f"{tools['triton']} (ptxas {tools['ptxas']}): live compiles held to the limits only; rerun: {RERUN}")
+    failed = 0
+    t0 = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for live in pool.map(audit.compile_config, hardest(record), [tools] * 8):
+            want = entries[live.name]
+            got = {f: getattr(live, f) for f in FIGURES}
+            if same_tools:
+                ok = live.error is None and got == {f: want[f] for f in FIGURES}
+                verdict = "matches the record" if ok else "DIFFERS from " + str({f: want[f] for f in FIGURES})
+            else:
+                found = audit.problems([live])
+                ok = not found
+                verdict = "within the limits" if ok else "; ".join(found)
+            failed += not ok
+            print(f"compiled {live.name}: {got} {verdict}" + (f" ({live.error})" if live.error else ""), flush=True)
+    print(f"live compiles: {time.perf_counter() - t0:.1f} s")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    configs = [(dt, int(arch), int(D)) for dt, arch, D in (c.split(":") for c in sys.argv[1:])]
-    main(configs or [("fp16", 90, 64), ("bf16", 80, 128), ("fp32", 90, 80), ("fp16", 80, 256)])
+    sys.exit(main())

@@ -37,7 +37,8 @@ from ..interface import sink_attn_func, sink_attn_varlen_func
 from . import eager, flops
 
 __all__ = ["Problem", "Row", "Spread", "CONFIGS", "PROVIDERS", "MODES", "MODE_NAMES", "NOISE_LIMIT", "run", "header",
-           "time_repeats", "time_interleaved", "noise_warning", "common_label", "sinkattn_step", "peak_growth_mib",
+           "time_repeats", "time_interleaved", "noise_warning", "common_label", "sinkattn_step", "sinkattn_provider",
+           "mode_step", "problem_inputs", "peak_growth_mib",
            "step_peak_growth_mib", "plot"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -162,7 +163,7 @@ CONFIGS = {
 }
 
 
-def _inputs(p: Problem, device):
+def problem_inputs(p: Problem, device):
     """Dense ``[B, S, H, D]`` tensors, or packed ``[T, H, D]`` ones for ``p.lens``."""
     g = torch.Generator().manual_seed(0)
     tokens = (sum(p.lens),) if p.lens is not None else (p.B, p.S)
@@ -284,18 +285,26 @@ def _flash_attn(p, q, k, v, sinks):
     return fn, "no sinks"
 
 
-def _sinkattn(p, q, k, v, sinks):
-    if p.lens is not None:
-        cu, longest = _cu(p, q.device), max(p.seq_lens)
+def sinkattn_provider(backend: str = "auto", with_sinks: bool = True):
+    """The ``sinkattn`` provider on ``backend``; ``with_sinks=False`` drops the sinks (their own cost)."""
+    def build(p, q, k, v, sinks):
+        note = "" if with_sinks else "no sinks"
+        if p.lens is not None:
+            cu, longest = _cu(p, q.device), max(p.seq_lens)
 
-        def packed(q, k, v, sinks):
-            return sink_attn_varlen_func(q, k, v, cu, cu, longest, longest, sinks=sinks, causal=p.causal,
-                                         window_size=p.window)
-        return packed, ""
+            def packed(q, k, v, sinks):
+                return sink_attn_varlen_func(q, k, v, cu, cu, longest, longest, sinks=sinks if with_sinks else None,
+                                             causal=p.causal, window_size=p.window, backend=backend)
+            return packed, note
 
-    def fn(q, k, v, sinks):
-        return sink_attn_func(q, k, v, sinks=sinks, causal=p.causal, window_size=p.window)
-    return fn, ""
+        def fn(q, k, v, sinks):
+            return sink_attn_func(q, k, v, sinks=sinks if with_sinks else None, causal=p.causal,
+                                  window_size=p.window, backend=backend)
+        return fn, note
+    return build
+
+
+_sinkattn = sinkattn_provider()
 
 
 PROVIDERS = {"sinkattn": _sinkattn, "sdpa": _sdpa, "sdpa_lse": _sdpa_lse, "eager": _eager,
@@ -337,7 +346,7 @@ def _peak_growth(device, base) -> float | None:
     return None if peak is None else max(0, peak - base) / 2**20
 
 
-def _step(fn, inputs, mode):
+def mode_step(fn, inputs, mode):
     """One timed unit of ``mode``; returns a callable that runs it."""
     if mode == "fwd":
         def run():
@@ -396,9 +405,9 @@ def noise_warning(timings, limit: float = NOISE_LIMIT) -> str | None:
 
 def sinkattn_step(p: Problem, mode: str, device="cpu"):
     """One ``mode`` of sinkattn on ``p`` as a callable (inputs made here)."""
-    inputs = _inputs(p, torch.device(device))
+    inputs = problem_inputs(p, torch.device(device))
     fn, _ = _sinkattn(p, *inputs)
-    return _step(fn, inputs, mode)
+    return mode_step(fn, inputs, mode)
 
 
 def step_peak_growth_mib(step, device="cpu") -> float | None:
@@ -415,11 +424,11 @@ def peak_growth_mib(p: Problem, provider: str, mode: str = "fwdbwd", device="cpu
     """Peak memory growth of one first run of ``mode`` (inputs already allocated), in MiB.
     On CPU this reads the process's peak RSS: run it in a fresh process for a clean figure."""
     device = torch.device(device)
-    inputs = _inputs(p, device)
+    inputs = problem_inputs(p, device)
     fn, note = PROVIDERS[provider](p, *inputs)
     if fn is None:
         raise ValueError(f"{provider} cannot run {p.label}: {note}")
-    return step_peak_growth_mib(_step(fn, inputs, mode), device)
+    return step_peak_growth_mib(mode_step(fn, inputs, mode), device)
 
 
 def _failed(exc: Exception) -> str:
@@ -440,7 +449,7 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
     device = torch.device(device)
     rows = []
     for p in problems:
-        inputs = _inputs(p, device)
+        inputs = problem_inputs(p, device)
         built = {name: _build(name, p, inputs) for name in providers}
         for mode in modes:
             steps, mode_rows = {}, {}
@@ -450,7 +459,7 @@ def run(problems, providers=("sinkattn", "sdpa", "sdpa_lse", "eager"), modes=("f
                 if fn is None:
                     continue
                 try:
-                    steps[name] = _step(fn, inputs, mode)
+                    steps[name] = mode_step(fn, inputs, mode)
                     base = _reset_peak(device)
                     for _ in range(warmup):
                         steps[name]()

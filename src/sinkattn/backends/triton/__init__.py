@@ -1,35 +1,34 @@
 """``backend="triton"``: fused Triton kernels for CUDA tensors (and CPU tensors under
 ``TRITON_INTERPRET=1``, which is how CI runs them).
 
-Forward: one program per (query block, sequence, KV head) serving the group's
-query heads, sink as the starting maximum of the online softmax, lse out.
-Backward: a Delta kernel; a dK/dV kernel per (key block, sequence, KV head)
-looping over the group's query heads and the query blocks that see the keys;
-a dQ kernel per (query block, sequence, query head); dsinks reduced per head
-on the host in one fixed order. When scores may be large
-(``scores.may_have_large_scores``) the dQ kernel sums Delta itself from the
-products the gradients use (``EXACT_DELTA``). No atomics: results are bitwise reproducible.
+Forward: one program per GQA-packed tile (``BM // GH`` positions of one sequence times ``GH``
+query heads of one KV head, each K/V tile loaded once for all of them), the sink as the starting
+maximum of the online softmax, lse out. Backward: a Delta kernel; a dK/dV kernel per (key block,
+sequence, KV head) looping over the group's query heads and the query blocks that see the keys;
+a dQ kernel per packed tile as in the forward; dsinks reduced per head on the host in one fixed
+order. When scores may be large (``scores.may_have_large_scores``) the dQ kernel sums Delta
+itself from the products the gradients use (``EXACT_DELTA``). Key blocks every row sees whole run
+without the mask; programs start in longest-processing-time order (``kernels`` says how).
+No atomics: results are bitwise reproducible. Tiles per GPU generation: ``config``; the
+launches themselves: ``launch``.
 
-Head dims 1-256 run (padded inside the kernels to the next power of two, at
-least 16). fp32 inputs use IEEE fp32 dot products; fp16 / bf16 inputs split each
-fp32 ``P`` / ``dS`` tile that meets them in a product into ``hi`` and ``lo`` parts
-(``COMPENSATED``, docs/contract.md §3 "Compensated products").
+Head dims 1-256 run (tensors padded with zeros to the next power of two, at least 16, outside the
+kernels: the kernels need no column mask). fp32 inputs use IEEE fp32
+dot products; fp16 / bf16 inputs split each fp32 ``P`` / ``dS`` tile that meets them in a product
+into ``hi`` and ``lo`` parts (``COMPENSATED``, docs/contract.md §3 "Compensated products").
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
-import triton
 
 from ... import sink
 from .. import buffers
 from ..capabilities import Capabilities, Saved
 from ..scores import check_fp32_range, may_have_large_scores, score_bound
-from . import kernels
-from .config import blocks_for
+from . import config, launch
 
 __all__ = ["CAPABILITIES", "forward", "backward", "COMPENSATED", "interpreting"]
 
@@ -71,23 +70,34 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _block_d(D: int) -> int:
-    return max(16, triton.next_power_of_2(D))
-
-
 def _upcast(dtype: torch.dtype) -> bool:
     """The interpreter's numpy dot has no bf16: multiply the bf16 values in fp32 there."""
     return interpreting() and dtype == torch.bfloat16
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _sinks_or_minus_inf(sinks, HQ, device):
     if sinks is None:
         return torch.full((HQ,), float("-inf"), dtype=torch.float32, device=device)
     return sinks.float().contiguous()
+
+
+def _kernel_layout(*tensors) -> list:
+    """Contiguous, 16-byte aligned, ``[T, H, D]`` tensors padded with zeros to ``D = BLOCK_D`` (the next
+    power of two, at least 16): what the kernels assume (``kernels.NO_SPECIALIZE``), so one compiled
+    kernel serves every call of a head-dim class. Zero columns add nothing to ``Q K^T`` and give zero
+    columns in ``O``, ``dQ``, ``dK``, ``dV``, which are cut off again (``_unpadded``)."""
+    out = []
+    for t in buffers.contiguous(*tensors):
+        if t is not None and t.dim() == 3 and t.shape[-1] != config.block_d(t.shape[-1]):
+            t = torch.nn.functional.pad(t, (0, config.block_d(t.shape[-1]) - t.shape[-1]))
+        if t is not None and t.data_ptr() % 16:
+            t = t.clone()
+        out.append(t)
+    return out
+
+
+def _unpadded(t: torch.Tensor, D: int) -> torch.Tensor:
+    return t if t.shape[-1] == D else t[..., :D].contiguous()
 
 
 def _max_lens(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -103,37 +113,32 @@ def _max_lens(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_s
 def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
     (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     check_fp32_range(score_bound(q, k, softmax_scale), q, k)       # the kernels' scores are fp32
-    Tq, HQ, D = q.shape
-    HKV = k.shape[1]
+    D = q.shape[2]
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    Tq, HQ, BLOCK_D = q.shape
     N = cu_seqlens_q.numel() - 1
-    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
+    out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
     lse = buffers.new((HQ, Tq), torch.float32, q.device)
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
     log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
-    b = blocks_for(q.device, D, backward=False)
-    grid = (triton.cdiv(_max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)[0], b.BM), N, HKV)
     if N > 0 and Tq > 0:
-        kernels.fwd_kernel[grid](
-            q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            softmax_scale * kernels.LOG2E, left, right, D,
-            G=HQ // HKV, BLOCK_D=_block_d(D), BM=b.BM, BN=b.BN, PRECISION=_precision(q.dtype),
-            COMPENSATED=_compensated(q.dtype), UPCAST=_upcast(q.dtype), num_warps=b.num_warps,
-            num_stages=b.num_stages)
-    return out, lse, (m2, log2_l)
+        max_q = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)[0]
+        launch.forward(q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q,
+                       cu_seqlens_k, softmax_scale, left, right, max_q, config.chip_for(q.device),
+                       _compensated(q.dtype), _upcast(q.dtype))()
+    return _unpadded(out, D), lse, (m2, log2_l)
 
 
 def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
              extra, max_seqlen=None):
     """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
-    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = buffers.contiguous(
+    D = q.shape[2]
+    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = _kernel_layout(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
-    extra = buffers.contiguous(*extra)
-    Tq, HQ, D = q.shape
-    HKV = k.shape[1]
+    m2, log2_l = _kernel_layout(*extra)
+    Tq, HQ, _ = q.shape
+    Tk = k.shape[0]
     N = cu_seqlens_q.numel() - 1
     dq = buffers.new(q.shape, torch.float32, q.device)
     dk = buffers.new(k.shape, torch.float32, q.device)
@@ -142,33 +147,16 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     if dlse is not None:
         dlse = dlse.float()
     exact_delta = may_have_large_scores(q, k, softmax_scale)
+    chip, compensated, upcast = config.chip_for(q.device), _compensated(q.dtype), _upcast(q.dtype)
     if Tq > 0 and not exact_delta:
-        block_t = 16 if interpreting() else 64
-        kernels.delta_kernel[(triton.cdiv(Tq, block_t), HQ)](
-            out, do, dlse if dlse is not None else delta, delta, Tq, out.stride(0), out.stride(1),
-            do.stride(0), do.stride(1), delta.stride(0), D,
-            HAS_DLSE=dlse is not None, BLOCK_T=block_t, BLOCK_D=_block_d(D))
-    m2, log2_l = extra
-    b = blocks_for(q.device, D, backward=True)
-    common = dict(G=HQ // HKV, BLOCK_D=_block_d(D), BM=b.BM, BN=b.BN, PRECISION=_precision(q.dtype),
-                  COMPENSATED=_compensated(q.dtype), UPCAST=_upcast(q.dtype), num_warps=b.num_warps,
-                  num_stages=b.num_stages)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               do.stride(0), do.stride(1), delta.stride(0))
-    scales = (softmax_scale * kernels.LOG2E, softmax_scale, left, right, D)
-    Tk = k.shape[0]
+        launch.delta(out, do, dlse, delta, chip)()
     max_q, max_k = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)
+    tensors = (q, k, v, do, m2, log2_l)
     if N > 0 and Tq > 0:     # first: with exact_delta it writes the Delta that dK/dV reads
-        kernels.dq_kernel[(triton.cdiv(max_q, b.BM), N, HQ)](
-            q, k, v, do, m2, log2_l, dlse if dlse is not None else delta, delta, dq, cu_seqlens_q, cu_seqlens_k,
-            *strides, dq.stride(0), dq.stride(1), *scales, EXACT_DELTA=exact_delta, HAS_DLSE=dlse is not None,
-            **common)
+        launch.dq(*tensors, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_q, chip,
+                  compensated, upcast, exact_delta)()
     if N > 0 and Tk > 0:
-        kernels.dkdv_kernel[(triton.cdiv(max_k, b.BN), N, HKV)](
-            q, k, v, do, m2, log2_l, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *strides,
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *scales, **common)
+        launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_k, chip,
+                    compensated, upcast)()
     dsinks = sink.dsinks_from(sinks, lse, delta) if sinks is not None else None
-    return dq, dk, dv, dsinks
-
-
-del math
+    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, D), dsinks
