@@ -94,3 +94,58 @@ def test_modes_and_subclasses_get_the_op():
     with FakeTensorMode() as mode:
         assert not ops.is_plain_eager(mode.from_tensor(q))
     assert not ops.is_plain_eager(q.requires_grad_())
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every read of a tensor's values back to the host that sinkattn's own code makes: scalar
+    reads (``item``, ``int``, ``float``, ``bool``: ``aten._local_scalar_dense``) and ``tolist`` /
+    ``numpy`` (which bypass the dispatcher). On a GPU each is a synchronisation. Reads made by the
+    Triton interpreter, which runs the kernels on the host, are not sinkattn's and are left out."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.reads = []
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original))
+
+    def _ours(self):
+        import traceback
+        files = [frame.filename for frame in traceback.extract_stack()[:-2]]
+        return any("/sinkattn/" in f for f in files) and not any("/triton/runtime/interpreter" in f for f in files)
+
+    def _recording(self, name, original):
+        def read(tensor, *args, **kwargs):
+            if self._ours():
+                self.reads.append(name)
+            return original(tensor, *args, **kwargs)
+        return read
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and self._ours():
+            self.reads.append("scalar")
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_reads_are_seen(monkeypatch):
+    """The recorder itself: a scalar read and a ``tolist`` inside sinkattn's code are both caught."""
+    from sinkattn import validation
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    with _HostReads(monkeypatch) as reads:
+        validation.check_cu_seqlens_contents(cu, cu, 5, 5, 3, 3)
+        sinkattn.sink_attn_varlen_func(*(t.reshape(5, *t.shape[2:]) for t in _inputs(1, 5, 5)[:3]), cu, cu, 3, 3)
+    assert "tolist" in reads.reads
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_dense_triton_calls_read_nothing_back_to_the_host(grad, monkeypatch):
+    """A dense call on the Triton backend (the GPU's decoding and training path), forward and backward, never
+    reads a value back to the host: launch grids come from shapes, the sink from a tensor."""
+    pytest.importorskip("triton")
+    q, k, v, sinks = (t.requires_grad_(grad) for t in _inputs(2, 1, 40))
+    with _HostReads(monkeypatch) as reads:
+        out = sinkattn.sink_attn_func(q, k, v, sinks=sinks.requires_grad_(grad), causal=True, window_size=(7, 0),
+                                      backend="triton")
+        if grad:
+            out.sum().backward()
+    assert reads.reads == []
