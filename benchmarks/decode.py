@@ -29,7 +29,6 @@ which moves less when other programs share the machine.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -149,17 +148,11 @@ def generate_level(kind: str, model, implementations: tuple[str, str], prompt: i
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="few calls and tokens, 128 keys for the long case (smoke run)")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap = bench.script_parser(__doc__, repeats=7, quick="few calls and tokens, 128 keys for the long case (smoke run)")
     ap.add_argument("--generate-repeats", type=int, help="rounds of each generate (default: --repeats)")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
                     help="the models of the generate section (default: all)")
-    ap.add_argument("--json", help="write every figure to this file")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = bench.parse_script_args(ap, argv)
     repeats = 1 if args.quick else args.repeats
     rounds = 1 if args.quick else (args.generate_repeats or args.repeats)
     inner = 3 if args.quick else 200

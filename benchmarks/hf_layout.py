@@ -14,7 +14,6 @@ noise; medians of ``--repeats``. Prints figures and ratios; asserts nothing.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -59,14 +58,8 @@ def _steps(B: int, S: int, documents: int | None, window: int | None) -> tuple[d
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--quick", action="store_true", help="smoke run: two tiny batches, 1 repeat")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    ap.add_argument("--json", help="write every figure to this file")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    ap = bench.script_parser(__doc__, repeats=6, quick="smoke run: two tiny batches, 1 repeat")
+    args = bench.parse_script_args(ap, argv)
     repeats = 1 if args.quick else args.repeats
     info = bench.header()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))

@@ -12,7 +12,6 @@ figure: the difference of two noisy times can come out negative). Asserts nothin
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 
 import torch
@@ -40,14 +39,7 @@ def _unchecked_step(step):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="S=256, 2 repeats (smoke run)")
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    ap.add_argument("--json", help="write every figure to this file")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = bench.parse_script_args(bench.script_parser(__doc__, repeats=9, quick="S=256, 2 repeats (smoke run)"), argv)
     S, repeats = (256, 2) if args.quick else (2048, args.repeats)
     rows = []
     for dtype in ("float32", "bfloat16"):

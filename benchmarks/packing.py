@@ -22,7 +22,6 @@ medians of interleaved repeats; prints ratios, asserts nothing. Work is counted 
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -122,14 +121,8 @@ def threshold(lengths, repeats, tokens=4096) -> list[dict]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller batches, 1 repeat (smoke run)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    ap.add_argument("--json", help="write every figure to this file")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    ap = bench.script_parser(__doc__, repeats=5, quick="smaller batches, 1 repeat (smoke run)")
+    args = bench.parse_script_args(ap, argv)
     repeats = 1 if args.quick else args.repeats
     n_short, tailed_tokens, uniform_len = (500, 1024, 128) if args.quick else (20000, 32768, 1024)
 

@@ -21,6 +21,7 @@ allocator peak, or the process's peak RSS on CPU).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ from . import eager, flops
 __all__ = ["Problem", "Row", "Spread", "CONFIGS", "PROVIDERS", "MODES", "MODE_NAMES", "NOISE_LIMIT", "run", "header",
            "time_repeats", "time_interleaved", "noise_warning", "common_label", "sinkattn_step", "sinkattn_provider",
            "mode_step", "problem_inputs", "peak_growth_mib",
-           "step_peak_growth_mib", "plot"]
+           "step_peak_growth_mib", "plot", "script_parser", "parse_script_args"]
 
 MODES = ("fwd", "bwd", "fwdbwd")
 MODE_NAMES = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward+backward"}
@@ -383,6 +384,25 @@ def time_repeats(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> di
             _sync(device)
             samples[name].append(time.perf_counter() - t0)
     return samples
+
+
+def script_parser(description: str, *, repeats: int, quick: str) -> argparse.ArgumentParser:
+    """The options every benchmark script in ``benchmarks/`` takes: ``--quick`` (a smoke run, described by
+    ``quick``), ``--repeats``, ``--threads`` and ``--json``; a script adds its own after these."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--json", help="write every figure to this file")
+    return ap
+
+
+def parse_script_args(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``ap.parse_args(argv)``, with ``--threads`` applied to torch."""
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, float]:
