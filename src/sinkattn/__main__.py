@@ -339,7 +339,11 @@ def _run(argv) -> int:
     if unknown is not None:
         ap.error(f"unrecognized arguments: {unknown} (before a command only --out DIR; verify and bench take "
                  f"their options after their name)")
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:
+        hint = ("; --out DIR is for the default run (no command): give verify/bench --json FILE"
+                if any(a.split("=", 1)[0] == "--out" for a in extra) else "")
+        (args.parser if args.command is not None else ap).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if args.command is not None:
         if args.out is not None:
             ap.error("argument --out: is for the default run (no command); give verify/bench --json or --plot")

@@ -60,7 +60,7 @@ def _tensor(name: str, x, rank: int, layout: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {_type_name(x)}")
     _dense(name, x)
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}")
+        raise TypeError(f"{name} must have dtype {_DTYPE_NAMES}, got {x.dtype}; cast it, e.g. {name}.float()")
     if x.dim() != rank:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(x.shape)}")
 
@@ -73,7 +73,8 @@ def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
     _tensor("v", v, rank, layout_kv)
     dtype, device, q_shape, k_shape = q.dtype, q.device, q.shape, k.shape
     if k.dtype != dtype or v.dtype != dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {dtype}, k {k.dtype}, v {v.dtype}")
+        raise TypeError(f"q, k and v must share one dtype, got q {dtype}, k {k.dtype}, v {v.dtype}; cast them to one "
+                        f"(e.g. k.to(q.dtype)), or call inside torch.autocast, which casts all three to its dtype")
     if k.device != device or v.device != device:
         raise ValueError(f"q, k and v must be on one device, got q {device}, k {k.device}, v {v.device}")
     if k_shape != v.shape:
@@ -108,7 +109,8 @@ def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
 def check_max_seqlen(name: str, value) -> None:
     """A maximal sequence length: an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
-        raise TypeError(f"{name} must be an int, got {_type_name(value)}")
+        raise TypeError(f"{name} must be an int, got {_type_name(value)}"
+                        + ("; pass int(t) (a host read of the tensor)" if isinstance(value, torch.Tensor) else ""))
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
@@ -195,7 +197,8 @@ def check_dense(q, k, v) -> None:
 def _softmax_scale(softmax_scale) -> None:
     if type(softmax_scale) is not float and (      # exact type first: the ABC check costs a microsecond a call
             isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (numbers.Real, torch.SymFloat))):
-        raise TypeError(f"softmax_scale must be a float or None, got {_type_name(softmax_scale)}")
+        raise TypeError(f"softmax_scale must be a float or None, got {_type_name(softmax_scale)}"
+                        + ("; pass float(t)" if isinstance(softmax_scale, torch.Tensor) else ""))
     try:
         value = float(softmax_scale)
     except OverflowError:

@@ -36,7 +36,8 @@ def load(name: str) -> ModuleType:
             _LOADED[name] = importlib.import_module(f"{__name__}.{name}")
         except ImportError as exc:
             raise NotImplementedError(
-                f"backend {name!r} needs the triton package ({exc}); pip install 'sinkattn[triton]'") from exc
+                f"backend {name!r} needs the triton package ({exc}): pip install triton (in a source checkout: "
+                f"pip install -e \".[triton]\"); on a CPU, run with TRITON_INTERPRET=1") from exc
     return _LOADED[name]
 
 

@@ -31,8 +31,8 @@ def _transformers():
         import transformers
         from transformers import masking_utils
     except ImportError as exc:
-        raise ImportError(f"sinkattn.hf needs transformers >= {MIN_TRANSFORMERS}: pip install 'sinkattn[hf]' "
-                          f"({exc})") from exc
+        raise ImportError(f"sinkattn.hf needs transformers >= {MIN_TRANSFORMERS}: "
+                          f"pip install \"transformers>={MIN_TRANSFORMERS}\" ({exc})") from exc
     missing = missing_features(transformers, masking_utils)
     if missing:
         raise ImportError(f"sinkattn.hf needs transformers >= {MIN_TRANSFORMERS}, found {transformers.__version__} "
