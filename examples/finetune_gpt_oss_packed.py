@@ -2,7 +2,7 @@
 
     pip install torch==2.13.0 -e ".[hf]"        # on a GPU machine: your CUDA torch, then -e ".[hf,triton]"
     python examples/finetune_gpt_oss_packed.py [--steps 100] [--tokens-per-row 1024] [--documents 4000]
-                                               [--device cpu|cuda] [--no-progress]
+                                               [--device cpu|cuda] [--no-progress] [--threads N]
 
 Everything is made here, nothing is downloaded: a small random gpt-oss (2 layers, sliding window
 64 then full attention, 4 experts) from a GptOssConfig, a text set generated from a few sentence
@@ -70,7 +70,12 @@ def main(argv=None) -> int:
     parser.add_argument("--documents", type=int, default=4000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: one per core; on a machine other jobs keep busy, 1 is often "
+                             "several times faster)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     name = sinkattn.hf.register()                   # "sinkattn"; backend auto: cpu on CPU, triton on CUDA

@@ -2,6 +2,7 @@
 
     pip install torch==2.13.0 -e ".[hf]" "trl>=1.16"     # on a GPU machine: your CUDA torch, then -e ".[hf,triton]"
     python examples/sft_trl_packed.py [--steps 40] [--max-length 512] [--device cpu|cuda] [--output-dir DIR]
+                                      [--threads N]
 
 Everything is made here, nothing is downloaded: documents of counting and arithmetic in words, a
 word-level tokenizer trained on them (``tokenizers``), a small random gpt-oss (2 layers, sliding window
@@ -62,7 +63,12 @@ def main(argv=None) -> int:
     parser.add_argument("--documents", type=int, default=2000)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--output-dir", default=None, help="checkpoints and logs (default: a temporary folder)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: one per core; on a machine other jobs keep busy, 1 is often "
+                             "several times faster)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     name = sinkattn.hf.register()                              # "sinkattn": backend cpu on CPU, triton on CUDA
     texts = documents(args.documents)
