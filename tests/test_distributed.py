@@ -186,7 +186,8 @@ def test_layout_orders_match_their_definition(layout):
 def test_destroy_process_group_stops_gloo_threads_after_a_sinkattn_call(tmp_path):
     """The first torch.library call imports torch._dynamo and with it torch.distributed.nn.functional,
     whose default arguments bind the default group. Done after init_process_group, that kept the group
-    alive past destroy_process_group, and its gloo threads could abort the process at exit."""
+    alive past destroy_process_group, and its gloo threads could abort the process at exit. Results that
+    are still alive, with their autograd graphs, must not keep the group alive either."""
     import textwrap
     script = textwrap.dedent(f"""
         import os
@@ -195,9 +196,10 @@ def test_destroy_process_group_stops_gloo_threads_after_a_sinkattn_call(tmp_path
         import sinkattn.distributed as cp
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
-        x = torch.randn(1, 8, 2, 8)
+        x = torch.randn(1, 8, 2, 8, requires_grad=True)
         sinkattn.sink_attn_func(x, x, x, causal=True)
-        cp.sink_attn_func(x, x, x, causal=True, method="ulysses")
+        kept = [cp.sink_attn_func(x, x, x, causal=True, method=method) for method in ("ring", "ulysses")]
+        sum(out.sum() for out in kept).backward()
         dist.destroy_process_group()
         names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
         print("gloo threads left:", sum("gloo" in n for n in names))

@@ -7,6 +7,7 @@ error together instead of leaving the others waiting in a send that never comes.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,13 +21,26 @@ _WIDTH = 64           # descriptor entries: an error code, the number of sequenc
 
 @dataclass(frozen=True)
 class Group:
-    """A process group with this process's rank in it and its ring neighbours (global ranks)."""
+    """A process group with this process's rank in it and its ring neighbours (global ranks).
 
-    handle: object
+    The group itself is held weakly: a result's autograd graph keeps a ``Group`` until the result is
+    freed, and a strong reference would keep a destroyed gloo group alive until the interpreter exits,
+    where its worker threads can abort the process."""
+
+    ref: weakref.ref
     rank: int
     size: int
     next: int
     prev: int
+
+    @property
+    def handle(self):
+        """The process group, while it exists."""
+        handle = self.ref()
+        if handle is None:
+            raise RuntimeError("sinkattn.distributed: the process group of this call was destroyed before its "
+                               "backward ran; call backward before torch.distributed.destroy_process_group()")
+        return handle
 
     @property
     def comm_device(self) -> torch.device:
@@ -48,7 +62,7 @@ def resolve(group=None) -> Group:
         raise ValueError("group: this process is not a member of the process group it passed; pass a group "
                          "that contains every rank holding a shard of the sequence")
     size = dist.get_world_size(handle)
-    return Group(handle, rank, size, dist.get_global_rank(handle, (rank + 1) % size),
+    return Group(weakref.ref(handle), rank, size, dist.get_global_rank(handle, (rank + 1) % size),
                  dist.get_global_rank(handle, (rank - 1) % size))
 
 
