@@ -26,9 +26,9 @@ def _call(q, k, v, sinks, softmax_scale, causal, window_size, backend):
     return name, needs_grad, left, right, defaults.softmax_scale(q.shape[-1], softmax_scale)
 
 
-def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
-         window_size, backend, check_cu_seqlens=True):
-    name, needs_grad, left, right, softmax_scale = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, call, check_cu_seqlens=True):
+    """``(out, lse [HQ, Tq])`` of a packed call settled by ``_call``."""
+    name, needs_grad, left, right, softmax_scale = call
     args = (q.contiguous(), k.contiguous(), v.contiguous(), sinks.contiguous() if sinks is not None else None,
             cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_seqlen_q, max_seqlen_k,
             softmax_scale, left, right, name, check_cu_seqlens)
@@ -39,10 +39,11 @@ def _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
     return out_acc.to(q.dtype), lse
 
 
-def _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend):
-    """``(out [B, Sq, HQ, D], lse [B, HQ, Sq])`` of an eager, no-grad dense call that the backend computes
-    on the tensors as they are (``forward_dense``: one kernel call, as in decoding), else None."""
-    name, needs_grad, left, right, softmax_scale = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+def _dense_eager(q, k, v, sinks, call):
+    """``(out [B, Sq, HQ, D], lse [B, HQ, Sq])`` of an eager, no-grad dense call (settled by ``_call``) that
+    the backend computes on the tensors as they are (``forward_dense``: one kernel call, as in decoding),
+    else None."""
+    name, needs_grad, left, right, softmax_scale = call
     dense = getattr(backends.load(name), "forward_dense", None)
     if dense is None or needs_grad or not ops.is_plain_eager(q, k, v, sinks) or torch.is_autocast_enabled(
             q.device.type):        # under autocast the op's body runs the backend with autocast off
@@ -87,8 +88,8 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     # a bound past the token count bounds no more than it (and then fits the op's int64)
     max_seqlen_q, max_seqlen_k = torch.sym_min(max_seqlen_q, q.shape[0]), torch.sym_min(max_seqlen_k, k.shape[0])
-    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks, softmax_scale, causal,
-                    window_size, backend)
+    out, lse = _run(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sinks,
+                    _call(q, k, v, sinks, softmax_scale, causal, window_size, backend))
     return (out, lse) if validation.as_bool("return_lse", return_lse) else out
 
 
@@ -103,13 +104,13 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     B, Sq, HQ, D = q.shape
     Sk, HKV = k.shape[1], k.shape[2]
-    decoded = _dense_eager(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    call = _call(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+    decoded = _dense_eager(q, k, v, sinks, call)
     if decoded is not None:
         out, lse = decoded
     else:
         steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
         out, lse = _run(q.reshape(B * Sq, HQ, D), k.reshape(B * Sk, HKV, D), v.reshape(B * Sk, HKV, D),
-                        steps * Sq, steps * Sk, Sq, Sk, sinks, softmax_scale, causal, window_size, backend,
-                        check_cu_seqlens=False)
+                        steps * Sq, steps * Sk, Sq, Sk, sinks, call, check_cu_seqlens=False)
         out, lse = out.view(B, Sq, HQ, D), lse.view(HQ, B, Sq).transpose(0, 1)
     return (out, lse) if validation.as_bool("return_lse", return_lse) else out

@@ -61,12 +61,12 @@ def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> la
     return layout.split(cu_seqlens_q, cu_seqlens_k, lambda Lq, Lk: cpu_small.takes(Lq, Lk, HQ))
 
 
-def _literal(parts: layout.Split, k32: torch.Tensor, v32: torch.Tensor, left: int, right: int) -> bool:
+def _literal(single, k32: torch.Tensor, v32: torch.Tensor) -> bool:
     """NaN or inf in ``k`` or ``v``, where some row does not see some key of a product: the call then
     takes the paths that keep them to the rows that see them (``nonfinite``). A call whose rows all
-    see the same keys (``_all_see_all``: decoding, full attention) needs no check: each of its
-    products is one of the formula's."""
-    return not _all_see_all(cpu_fused.single_call(parts, left, right)) and nonfinite.present(k32, v32)
+    see the same keys (``_all_see_all`` of its ``cpu_fused.single_call``: decoding, full attention)
+    needs no check: each of its products is one of the formula's."""
+    return not _all_see_all(single) and nonfinite.present(k32, v32)
 
 
 def _all_see_all(single) -> bool:
@@ -81,15 +81,15 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     Tq, HQ, D = q.shape
     parts = split(cu_seqlens_q, cu_seqlens_k, HQ)
     path = path_for(q32, k32, softmax_scale)
-    literal = _literal(parts, k32, v32, left, right)
+    single = cpu_fused.single_call(parts, left, right)
+    literal = _literal(single, k32, v32)
     if literal:
         path = cpu_slab
     took_slab_path = _TOOK_SLAB_PATH[path is cpu_slab]
     if not parts.runs:
         out, lse = cpu_small.forward(q32, k32, v32, parts.small, softmax_scale, left, right, literal, sinks)
         return out, lse, (took_slab_path,)
-    single = cpu_fused.single_call(parts, left, right) if path is cpu_fused else None
-    if single is not None:
+    if single is not None and path is cpu_fused:
         out, lse_keys = cpu_fused.forward_single(q32, k32, v32, single, softmax_scale)
     else:
         out = buffers.new((Tq, HQ, D), torch.float32, q.device)
@@ -141,7 +141,7 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
     (took_slab_path,) = extra
     parts = split(cu_seqlens_q, cu_seqlens_k, q.shape[1])
-    literal = bool(took_slab_path) and _literal(parts, k32, v32, left, right)
+    literal = bool(took_slab_path) and _literal(cpu_fused.single_call(parts, left, right), k32, v32)
     single = cpu_fused.single_call(parts, left, right, all_keys=True) if not bool(took_slab_path) else None
     if single is not None:
         dq, dk, dv = cpu_fused.backward_single(do32, dlse, q32, k32, v32, out, lse, single, softmax_scale)
