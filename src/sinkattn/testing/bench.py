@@ -386,6 +386,24 @@ def time_repeats(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> di
     return samples
 
 
+def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, float]:
+    """Median seconds of each callable (``time_repeats``)."""
+    return {name: statistics.median(s) for name, s in time_repeats(steps, repeats, warmup, device).items()}
+
+
+def noise_warning(timings, limit: float = NOISE_LIMIT) -> str | None:
+    """One line when some of ``timings`` (``(what, Spread)`` pairs) spread more than ``limit``
+    between their repeats, naming the widest; None when none does."""
+    timings = list(timings)
+    noisy = [(what, spread) for what, spread in timings if spread.relative > limit]
+    if not noisy:
+        return None
+    what, widest = max(noisy, key=lambda t: t[1].relative)
+    return (f"noise: {len(noisy)} of {len(timings)} timings spread more than {limit:.0%} between their repeats "
+            f"(max - min over the median; widest: {what}, {widest.relative:.0%}), enough to turn a ratio: "
+            f"rerun on a quieter machine or with more repeats")
+
+
 def script_parser(description: str, *, repeats: int, quick: str) -> argparse.ArgumentParser:
     """The options every benchmark script in ``benchmarks/`` takes: ``--quick`` (a smoke run, described by
     ``quick``), ``--repeats``, ``--threads`` and ``--json``; a script adds its own after these."""
@@ -403,24 +421,6 @@ def parse_script_args(ap: argparse.ArgumentParser, argv=None) -> argparse.Namesp
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
-
-
-def time_interleaved(steps: dict, repeats: int, warmup: int = 1, device="cpu") -> dict[str, float]:
-    """Median seconds of each callable (``time_repeats``)."""
-    return {name: statistics.median(s) for name, s in time_repeats(steps, repeats, warmup, device).items()}
-
-
-def noise_warning(timings, limit: float = NOISE_LIMIT) -> str | None:
-    """One line when some of ``timings`` (``(what, Spread)`` pairs) spread more than ``limit``
-    between their repeats, naming the widest; None when none does."""
-    timings = list(timings)
-    noisy = [(what, spread) for what, spread in timings if spread.relative > limit]
-    if not noisy:
-        return None
-    what, widest = max(noisy, key=lambda t: t[1].relative)
-    return (f"noise: {len(noisy)} of {len(timings)} timings spread more than {limit:.0%} between their repeats "
-            f"(max - min over the median; widest: {what}, {widest.relative:.0%}), enough to turn a ratio: "
-            f"rerun on a quieter machine or with more repeats")
 
 
 def sinkattn_step(p: Problem, mode: str, device="cpu"):
