@@ -40,8 +40,8 @@ def test_verify_fails_with_nonzero_exit_on_a_wrong_backend(tmp_path, monkeypatch
     real = cpu.forward
 
     def off_by_a_bit(*args, **kwargs):
-        out, lse, extra = real(*args, **kwargs)
-        return out * 1.01, lse, extra
+        out, stats = real(*args, **kwargs)
+        return out * 1.01, stats
     monkeypatch.setattr(cpu, "forward", off_by_a_bit)
     out = tmp_path / "v.json"
     code = cli.main(["verify", "--level", "L0", "--backend", "cpu", "--repeats", "1", "--no-gate-b",

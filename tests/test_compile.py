@@ -37,18 +37,25 @@ BACKENDS = ["cpu", "reference", "triton"]      # triton through TRITON_INTERPRET
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("lens", [[8, 8], [5, 0, 9]], ids=["equal-lengths", "packed"])
+@pytest.mark.parametrize("lens", [[8, 8], [5, 0, 9], "dense"], ids=["equal-lengths", "packed", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_opcheck_forward_and_backward(backend, lens, dtype):
-    q, k, v, sinks, cu, longest = _op_args(lens, backend, dtype)
-    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), sinks.requires_grad_(), cu, cu,
-           longest, longest, 0.25, -1, 0, backend, True)
-    torch.library.opcheck(torch.ops.sinkattn.forward.default, fwd)
-    detached = [x.detach() for x in fwd[:4]]
-    out, lse, *extra = ops.forward(*detached, *fwd[4:])
+    """Packed calls, and dense ones (no ``cu_seqlens``: the op packs them, or a ``dense`` backend takes an
+    inference call as it is), forward with and without a backward to follow, and the backward."""
+    dense = lens == "dense"
+    q, k, v, sinks, cu, longest = _op_args([8, 8] if dense else lens, backend, dtype)
+    if dense:
+        q, k, v = (x.view(2, 8, *x.shape[1:]) for x in (q, k, v))
+        cu = None
+    for needs_grad in (True, False):
+        leaves = [x.detach().requires_grad_(needs_grad) for x in (q, k, v, sinks)]
+        fwd = (*leaves, cu, cu, longest, longest, 0.25, -1, 0, backend, not dense, needs_grad)
+        torch.library.opcheck(torch.ops.sinkattn.forward.default, fwd)
+    detached = [x.detach() for x in (q, k, v, sinks)]
+    out, lse, m, log_l = ops.forward(*detached, cu, cu, longest, longest, 0.25, -1, 0, backend, not dense, True)
     do, dlse = torch.randn(out.shape).to(dtype), torch.randn(lse.shape)
     torch.library.opcheck(torch.ops.sinkattn.backward.default,
-                          (do, dlse, *detached, out, lse, cu, cu, longest, longest, 0.25, -1, 0, backend, extra))
+                          (do, dlse, *detached, out, m, log_l, cu, cu, longest, longest, 0.25, -1, 0, backend, False))
 
 
 NUMPY_BOOL = """

@@ -1,7 +1,7 @@
-"""Inference on dense batches (KV-cache decoding): eager calls without gradients run the cpu backend's one
-fused kernel call on the tensors as they are (``cpu.forward_dense``), without the custom op's dispatch.
-Its values are the training forward's, bitwise (exactly at large scores, where the two take different
-kernels: Gate A against the golden), and every other kind of call still goes through the op."""
+"""Inference on dense batches (KV-cache decoding): eager calls without gradients run the op's implementation
+directly (no dispatch), and the cpu backend computes them with one fused-kernel call on the tensors as they
+are. Training calls take the tiles (``cpu_tiles``): the two forwards agree to rounding, each within Gate A
+of the golden, and every call that anything intercepts still goes through the op."""
 
 import pytest
 import torch
@@ -9,7 +9,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import sinkattn
 from sinkattn import ops
-from sinkattn.backends import cpu
 from sinkattn.testing import precision
 
 HQ, HKV, D = 8, 2, 32
@@ -46,10 +45,15 @@ CALLS = {
 
 @pytest.mark.parametrize("heads_first", [False, True], ids=["tokens-first", "heads-first"])
 @pytest.mark.parametrize("call", list(CALLS))
-def test_inference_equals_the_training_forward(call, heads_first):
+def test_inference_agrees_with_the_training_forward(call, heads_first):
     (B, Sq, Sk), options = CALLS[call]
-    (out, lse), (out_t, lse_t) = _both(*_inputs(B, Sq, Sk, heads_first=heads_first), **options)
-    assert torch.equal(out, out_t) and torch.equal(lse, lse_t)
+    q, k, v, sinks = _inputs(B, Sq, Sk, heads_first=heads_first)
+    (out, lse), (out_t, lse_t) = _both(q, k, v, sinks, **options)
+    gold, gold_lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, return_lse=True, backend="reference", **options)
+    for o, l in ((out, lse), (out_t, lse_t)):
+        assert precision.gate_a("o", o, gold).gate_a and precision.gate_a("lse", l, gold_lse).gate_a
+    torch.testing.assert_close(out, out_t, rtol=2e-6, atol=2e-7)
+    torch.testing.assert_close(lse, lse_t, rtol=2e-6, atol=2e-7)
     assert out.shape == (B, Sq, HQ, D) and lse.shape == (B, HQ, Sq) and out.is_contiguous()
 
 
@@ -57,7 +61,6 @@ def test_inference_equals_the_training_forward(call, heads_first):
 @pytest.mark.parametrize("scale", [1.0, 30.0], ids=["scores-small", "scores-large"])
 def test_inference_passes_gate_a(dtype, scale):
     q, k, v, sinks = _inputs(3, 1, 50, dtype=dtype, scale=scale)
-    assert (cpu.path_for(q.float(), k.float(), D ** -0.5) is cpu.cpu_slab) == (scale > 1)
     with torch.no_grad():
         out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, window_size=(20, 0), return_lse=True)
         gold, gold_lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, window_size=(20, 0),

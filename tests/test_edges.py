@@ -69,10 +69,11 @@ def test_huge_max_seqlen_is_a_loose_bound(backend, bound):
 
 def test_triton_grid_is_capped_at_the_token_count():
     from sinkattn.backends import triton as triton_backend
+    from sinkattn.backends.capabilities import Batch
     q, k = torch.empty(21, 4, 8), torch.empty(30, 2, 8)
     cu = torch.tensor([0, 9, 21], dtype=torch.int32)
-    assert triton_backend._max_lens(q, k, cu, cu, (2**62, 2**40)) == (21, 30)
-    assert triton_backend._max_lens(q, k, cu, cu, (12, 13)) == (12, 13)
+    assert triton_backend._max_lens(q, k, Batch(cu, cu, 2**62, 2**40)) == (21, 30)
+    assert triton_backend._max_lens(q, k, Batch(cu, cu, 12, 13)) == (12, 13)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

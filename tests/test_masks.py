@@ -25,21 +25,23 @@ WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (2, 3), (10, 0)]
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_visible_matches_design(Lq, Lk, causal, window):
-    left, right = masks.normalize_window(causal, window)
+    left, right = masks.Window.of(causal, window)
     got = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
     want = torch.tensor([[_design_visible(i, j, Lq, Lk, causal, *window) for j in range(Lk)]
                          for i in range(Lq)], dtype=torch.bool).reshape(Lq, Lk)
     assert torch.equal(got, want)
 
 
-def test_normalize_window_folds_on_lengths_only_when_given():
-    """Without lengths (what traced code passes) only sides past any tensor's length fold; with
-    concrete lengths (what the op passes), every side reaching past the keys folds."""
-    assert masks.normalize_window(False, (2**62, 2**70)) == (-1, -1)
-    assert masks.normalize_window(False, (2**62 - 1, 7)) == (2**62 - 1, 7)
-    assert masks.normalize_window(True, (7, 5)) == (7, 0)
-    assert masks.normalize_window(True, (7, 5), 5, 5) == (-1, 0)
-    assert masks.normalize_window(False, (3, 4), 5, 9) == (3, -1)
+def test_window_folds_on_lengths_only_when_given():
+    """Without lengths (what traced code builds) only sides past any tensor's length fold; with
+    concrete lengths (what the ops fold with), every side reaching past the keys folds."""
+    W = masks.Window
+    assert W.of(False, (2**62, 2**70)) == (-1, -1)
+    assert W.of(False, (2**62 - 1, 7)) == (2**62 - 1, 7)
+    assert W.of(True, (7, 5)) == (7, 0)
+    assert W.of(True, (7, 5)).folded(5, 5) == (-1, 0)
+    assert W.of(False, (3, 4)).folded(5, 9) == (3, -1)
+    assert W(-1, -1).unbounded and not W(-1, 0).unbounded
 
 
 @pytest.mark.parametrize("Lq,Lk", [(13, 13), (9, 17), (17, 9)])
@@ -61,7 +63,7 @@ def test_block_ranges_cover_exactly_the_visible_keys(Lq, Lk, window):
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (0, 0), (3, 0), (5, -1), (-1, 4), (2, 3), (9, 1), (0, 6)])
 def test_sub_block_reproduces_the_tile_of_the_full_mask(window):
     S = 24
-    left, right = masks.normalize_window(False, window, S, S)
+    left, right = masks.Window(*window).folded(S, S)
     full = masks.visible(torch.arange(S), torch.arange(S), S, S, left, right)
     tiles = [(0, 4), (4, 4), (8, 8), (16, 8), (3, 5), (0, 24), (20, 4), (5, 1)]
     for (a, m), (b, n) in itertools.product(tiles, tiles):

@@ -10,7 +10,7 @@ import torch
 
 import sinkattn
 from sinkattn import masks
-from sinkattn.backends import buffers, cpu
+from sinkattn.backends import buffers
 from sinkattn.backends.triton import config, schedule
 from sinkattn.testing import precision
 from conftest import DEVICE
@@ -109,10 +109,8 @@ def test_nan_reaches_exactly_the_rows_that_see_its_key(backend, layout, where):
 
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_nan_with_large_scores(where):
-    """Scores past ``LARGE_SCORE`` take the slab path whatever the special values."""
+    """Sharp attention (rows far into the underflow of their exponentials) keeps the pattern too."""
     lens, (left, right) = LAYOUTS["long-window"]
-    q, k = _batch(lens, where, float("nan"), scale=30.0)[:2]
-    assert cpu.path_for(q, torch.nan_to_num(k), D ** -0.5) is cpu.cpu_slab
     got = _run("cpu", lens, where, float("nan"), left, right, scale=30.0)
     _check_pattern(got, lens, where, left, right)
     _check_golden(got, lens, where, float("nan"), left, right, scale=30.0)

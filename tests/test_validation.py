@@ -108,12 +108,12 @@ def test_device_mismatch_is_a_value_error():
 
 def test_explicit_backend_that_cannot_run_says_why():
     from sinkattn import backends
-    call = backends.Call("cuda", torch.float16, 64, needs_grad=True)
+    call = backends.Request("cuda", torch.float16, 64, needs_grad=True)
     with pytest.raises(NotImplementedError, match="'cpu'.*'cuda'"):
         backends.choose("cpu", call)
     with pytest.raises(NotImplementedError, match="no backend runs on 'mps' tensors; move them to the CPU"):
-        backends.choose("auto", backends.Call("mps", torch.float16, 64, needs_grad=True))
-    assert backends.choose("auto", backends.Call("cpu", torch.bfloat16, 256, True)) == "cpu"
+        backends.choose("auto", backends.Request("mps", torch.float16, 64, needs_grad=True))
+    assert backends.choose("auto", backends.Request("cpu", torch.bfloat16, 256, True)) == "cpu"
 
 
 def test_cu_seqlens_changed_in_place_is_checked_again():

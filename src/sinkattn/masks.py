@@ -13,11 +13,13 @@ the keys seen by a block of rows ``[r0, r1)`` are ``[lo(r0), hi(r1 - 1))``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
     "BEYOND_ANY_LENGTH",
-    "normalize_window",
+    "Window",
     "row_key_bounds",
     "visible",
     "block_key_range",
@@ -31,30 +33,40 @@ BEYOND_ANY_LENGTH = 2 ** 62
 """A window side this long reaches past the keys of any sequence a tensor can hold."""
 
 
-def normalize_window(causal: bool, window_size: tuple[int, int], max_seqlen_q: int | None = None,
-                     max_seqlen_k: int | None = None) -> tuple[int, int]:
-    """Fold ``causal`` into ``(left, right)``; ``-1`` means unbounded.
+class Window(NamedTuple):
+    """The mask's two sides, ``causal`` folded in: ``left``, ``right`` ints, ``-1`` = unbounded.
 
-    A side that reaches past every key is unbounded: ``left >= max_seqlen_k - 1`` or
-    ``right >= max_seqlen_q - 1`` (given upper bounds of the lengths) selects the same keys as
-    ``-1``, and is folded to it so that no mask arithmetic meets a huge window. A side of
-    ``BEYOND_ANY_LENGTH`` or more is folded without lengths.
+    ``Window.of(causal, window_size)`` builds it from the public options; ``folded(max_seqlen_q,
+    max_seqlen_k)`` makes every side that reaches past every key unbounded: ``left >= max_seqlen_k - 1``
+    or ``right >= max_seqlen_q - 1`` (upper bounds of the lengths) select the same keys as ``-1``,
+    and folding them keeps huge windows out of the mask arithmetic. A side of ``BEYOND_ANY_LENGTH``
+    or more is folded by ``of`` already.
 
-    The lengths must be concrete ints: the public functions fold without them (under
+    ``folded`` needs concrete ints: the public functions build the window without lengths (under
     ``torch.compile`` / ``torch.export`` a length is symbolic, and comparing it would tie the
-    compiled program to the lengths it was traced with); the ``sinkattn::forward`` /
-    ``backward`` ops fold again with theirs, where they are plain ints.
+    compiled program to the lengths it was traced with); the ``sinkattn`` ops fold it with theirs,
+    where they are plain ints.
     """
-    left, right = int(window_size[0]), int(window_size[1])
-    if causal:
-        right = 0
-    left = -1 if left >= BEYOND_ANY_LENGTH else left
-    right = -1 if right >= BEYOND_ANY_LENGTH else right
-    if max_seqlen_k is not None and left >= max(max_seqlen_k - 1, 0):
-        left = -1
-    if max_seqlen_q is not None and right >= max(max_seqlen_q - 1, 0):
-        right = -1
-    return left, right
+
+    left: int
+    right: int
+
+    @classmethod
+    def of(cls, causal: bool, window_size) -> "Window":
+        left, right = int(window_size[0]), int(window_size[1])
+        if causal:
+            right = 0
+        return cls(-1 if left >= BEYOND_ANY_LENGTH else left, -1 if right >= BEYOND_ANY_LENGTH else right)
+
+    def folded(self, max_seqlen_q: int, max_seqlen_k: int) -> "Window":
+        left = -1 if self.left >= max(max_seqlen_k - 1, 0) else self.left
+        right = -1 if self.right >= max(max_seqlen_q - 1, 0) else self.right
+        return self if (left, right) == self else Window(left, right)
+
+    @property
+    def unbounded(self) -> bool:
+        """Every row sees every key (no causal limit, no window)."""
+        return self.left < 0 and self.right < 0
 
 
 def row_key_bounds(i, Lq, Lk, left: int, right: int):
@@ -116,7 +128,7 @@ def sub_block(a: int, m: int, b: int, n: int, left: int, right: int) -> tuple[in
     and rows ``>= rows`` see none; ``None`` when the tile sees nothing. The rule needs the band
     to hold the call's bottom-right diagonal ``j - i = keys - rows``; a band wholly above it
     is met by dropping the rows that see nothing, one wholly below it by dropping the keys
-    no row sees. The window comes back folded by ``normalize_window``.
+    no row sees. The window comes back folded (``Window.folded``).
     """
     if m <= 0 or n <= 0:
         return None
@@ -131,4 +143,4 @@ def sub_block(a: int, m: int, b: int, n: int, left: int, right: int) -> tuple[in
         keys = m + high
     diagonal = keys - rows
     window = (diagonal - low if low is not None else -1, high - diagonal if high is not None else -1)
-    return (rows, keys, *normalize_window(False, window, rows, keys))
+    return (rows, keys, *Window(*window).folded(rows, keys))

@@ -1,29 +1,43 @@
-"""The backends as ``torch.library`` custom ops, so ``torch.compile`` treats a call as one node.
+"""The backends as ``torch.library`` custom ops, so ``torch.compile`` treats a call as one node, and
+the only code that calls a backend.
 
-    sinkattn::forward(q, k, v, sinks?, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      softmax_scale, left, right, backend, check_cu_seqlens) -> [out_acc, lse, *extra]
-    sinkattn::backward(do, dlse?, q, k, v, sinks?, out_acc, lse, cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, extra)
+    sinkattn::forward(q, k, v, sinks?, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, left, right, backend, check_cu_seqlens, needs_grad)
+                      -> [o, lse, m, log_l]
+    sinkattn::backward(do, dlse?, q, k, v, sinks?, o, m, log_l, cu_seqlens_q?, cu_seqlens_k?,
+                       max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, partial)
                        -> [dq, dk, dv, dsinks]
 
-``out_acc`` is in the backend's declared ``out_dtype`` (fp32; float64 for ``reference``), ``extra``
-the tensors it declares in ``saved``; ``dsinks`` is empty when there are no sinks. Every result is
-contiguous, exactly as the fake implementations describe it, and every tensor handed to a backend
-is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), so no backend
-reads memory through a layout it does not assume. The checks on the contents of
-``cu_seqlens`` run here, inside the op, where reading a tensor cannot break a traced graph
-(``check_cu_seqlens=False`` for the ones the dense entry point builds itself). The window is
-folded on the lengths here too (``masks.normalize_window``), where they are plain ints.
-Autograd is registered on ``forward`` and routes the gradients of ``out`` and ``lse``. The backends
-run with autocast off: their fp32 arithmetic is part of the contract (``sinkattn.autocast``).
+A call is packed (``q [Tq, HQ, D]`` with ``cu_seqlens_*``) or dense (``q [B, Sq, HQ, D]``,
+``cu_seqlens_*`` None; the op packs it, except an inference call a ``dense`` backend takes as it is).
+The forward runs the backend's softmax over keys and joins the sink once (``sinkattn.sink``):
+``o`` (tokens first, in the backend's ``out_dtype``; the caller casts it to q's dtype) and the
+final statistics ``Stats(m, log_l)`` ``[HQ, T]`` with ``lse`` fp32 ``[HQ, T]`` (``T = B * Sq`` for a
+dense call). Without sinks the results are the softmax over the call's keys alone, which is what
+context parallelism merges tile by tile. The backward forms ``dsinks`` (empty without sinks) from
+the ``Delta`` the backend used; ``partial`` says the call holds only some keys of its rows.
+
+Every result is contiguous, exactly as the fake implementations describe it; every tensor handed
+to a backend is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), but
+the dense tensors of an inference call. The checks on the contents of ``cu_seqlens`` run inside
+the op, where reading a tensor cannot break a traced graph (``check_cu_seqlens=False`` for the
+ones sinkattn builds itself), and the window is folded on the lengths there too, where they are
+plain ints. Autograd is registered on ``forward``. The backends run with autocast off: their fp32
+arithmetic is part of the contract (``sinkattn.autocast``).
+
+``attention`` and ``gradients`` are how the rest of sinkattn calls the ops: through the dispatcher,
+or, for a plain eager call (``is_plain_eager``), the ops' own implementation directly (the same
+function, without the ~30 us dispatch, as long as a decoding step's attention).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import autocast, autodiff, backends, masks, validation
+from . import autocast, autodiff, backends, sink, validation
 from .backends.buffers import contiguous
+from .backends.capabilities import Batch
+from .masks import Window
 
 if torch.distributed.is_available():
     # The first call of any torch.library op imports torch._dynamo, which imports
@@ -34,14 +48,13 @@ if torch.distributed.is_available():
     # Imported here, with sinkattn, it binds None instead (about 3 ms once torch is loaded).
     import torch.distributed.nn.functional  # noqa: F401
 
-__all__ = ["forward", "backward", "forward_eager", "is_plain_eager"]
+__all__ = ["forward", "backward", "attention", "gradients", "is_plain_eager"]
 
 
 def is_plain_eager(*tensors) -> bool:
-    """True when a call may run the forward op's body directly, without the op (``forward_eager``):
-    eager mode (not traced or compiled, no torch function or dispatch mode such as FakeTensorMode or
-    a FLOP counter), no gradient to record, and plain tensors (no subclass) on a real device. The
-    op then adds nothing but its dispatch (about 30 us, as long as a whole decoding step's attention)."""
+    """True when a call may run the op's implementation directly: eager mode (not traced or compiled,
+    no torch function or dispatch mode such as FakeTensorMode or a FLOP counter), no gradient to
+    record, and plain tensors (no subclass) on a real device."""
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
@@ -57,86 +70,141 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Tensor types that dispatch as plain tensors (a model's ``sinks`` are a Parameter)."""
 
 
-def forward_eager(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
-                  backend, check_cu_seqlens, *, inputs_contiguous=False) -> list[torch.Tensor]:
-    """The body of ``sinkattn::forward`` (same arguments, same results), for ``is_plain_eager`` calls;
-    ``inputs_contiguous``: the caller made every tensor argument contiguous already."""
-    if check_cu_seqlens:
-        validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-                                             max_seqlen_q, max_seqlen_k)
-    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
-    if not inputs_contiguous:
-        q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = contiguous(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+def _packed(q, k, v, *rest):
+    """A dense call's tensors ``[B, S, H, D]`` as a packed batch: ``(q, k, v, *rest)`` contiguous
+    ``[B*S, H, D]`` (``rest``: more query-side tensors) and the ``Batch`` of ``B`` equal sequences."""
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    flat = [None if t is None else t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).contiguous()
+            for t in (q, k, v, *rest)]
+    return flat, Batch(steps * Sq, steps * Sk, Sq, Sk)
+
+
+def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
+             backend, check_cu_seqlens, needs_grad) -> list[torch.Tensor]:
+    """The implementation of ``sinkattn::forward``."""
+    caps, impl = backends.describe(backend), backends.load(backend)
+    dense = cu_seqlens_q is None
+    window = Window(left, right).folded(max_seqlen_q, max_seqlen_k)
     with autocast.disabled(q.device):
-        out, lse, extra = backends.load(backend).forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
-                                                         softmax_scale, left, right,
-                                                         max_seqlen=(max_seqlen_q, max_seqlen_k))
-    return contiguous(out, lse, *extra)
+        result = None
+        if dense and caps.dense and not needs_grad:
+            result = impl.forward(q, k, v, None, window, softmax_scale, False)
+        if result is None:
+            if dense:
+                (qp, kp, vp), batch = _packed(q, k, v)
+            else:
+                if check_cu_seqlens:
+                    validation.check_cu_seqlens_contents(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                                                         max_seqlen_q, max_seqlen_k)
+                qp, kp, vp, cu_q, cu_k = contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k)
+                batch = Batch(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+            result = impl.forward(qp, kp, vp, batch, window, softmax_scale, needs_grad)
+        o, stats = result
+        o = o.view(q.shape[:-1] + o.shape[-1:])                       # dense: [B, Sq, HQ, D]
+        rows = stats.m.shape[:1] + q.shape[:-2]                       # [HQ, T] or [HQ, B, Sq]
+        o, stats = sink.with_sink(o, sink.Stats(stats.m.view(rows), stats.log_l.view(rows)), sinks, caps.base2)
+        lse = sink.lse_of(stats, caps.base2).float()
+    flat = stats.m.shape[:1] + (-1,)
+    return contiguous(o, lse.reshape(flat), stats.m.reshape(flat), stats.log_l.reshape(flat))
 
 
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-            softmax_scale: float, left: int, right: int, backend: str,
-            check_cu_seqlens: bool) -> list[torch.Tensor]:
-    return forward_eager(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left,
-                         right, backend, check_cu_seqlens)
+            cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+            max_seqlen_k: int, softmax_scale: float, left: int, right: int, backend: str,
+            check_cu_seqlens: bool, needs_grad: bool) -> list[torch.Tensor]:
+    return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left,
+                    right, backend, check_cu_seqlens, needs_grad)
 
 
 @forward.register_fake
 def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
-      backend, check_cu_seqlens):
-    caps = backends.describe(backend)
-    Tq, HQ, D = q.shape
-    out, lse = q.new_empty((Tq, HQ, D), dtype=caps.out_dtype), q.new_empty((HQ, Tq), dtype=torch.float32)
-    return [out, lse, *(s.like(q, k) for s in caps.saved)]
+      backend, check_cu_seqlens, needs_grad):
+    out_dtype = backends.describe(backend).out_dtype
+    HQ = q.shape[-2]
+    T = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
+    stat = (HQ, T)
+    return [q.new_empty(q.shape, dtype=out_dtype), q.new_empty(stat, dtype=torch.float32),
+            q.new_empty(stat, dtype=out_dtype), q.new_empty(stat, dtype=out_dtype)]
+
+
+def _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softmax_scale, left, right, backend, partial) -> list[torch.Tensor]:
+    """The implementation of ``sinkattn::backward``."""
+    caps, impl = backends.describe(backend), backends.load(backend)
+    shapes = (q.shape, k.shape, v.shape)
+    if cu_seqlens_q is None:
+        (q, k, v, do, o), batch = _packed(q, k, v, do, o)
+    else:
+        do, q, k, v, o, cu_seqlens_q, cu_seqlens_k = contiguous(do, q, k, v, o, cu_seqlens_q, cu_seqlens_k)
+        batch = Batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = Window(left, right).folded(max_seqlen_q, max_seqlen_k)
+    dlse, m, log_l = contiguous(dlse, m, log_l)
+    with autocast.disabled(q.device):
+        dq, dk, dv, delta = impl.backward(do, dlse, q, k, v, o, sink.Stats(m, log_l), batch, window, softmax_scale,
+                                          partial)
+        dsinks = sink.dsinks_from(sinks, sink.Stats(m, log_l), delta, caps.base2) if sinks is not None else (
+            q.new_empty((0,)))
+    return contiguous(*(g.to(x.dtype).view(shape) for g, x, shape in zip((dq, dk, dv), (q, k, v), shapes)), dsinks)
 
 
 @torch.library.custom_op("sinkattn::backward", mutates_args=())
 def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
-             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, left: int,
-             right: int, backend: str, extra: list[torch.Tensor]) -> list[torch.Tensor]:
-    if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
-        dlse = None
-    left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
-    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
-        do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
-    with autocast.disabled(q.device):
-        dq, dk, dv, dsinks = backends.load(backend).backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q,
-                                                             cu_seqlens_k, softmax_scale, left, right, tuple(extra),
-                                                             max_seqlen=(max_seqlen_q, max_seqlen_k))
-    dsinks = dsinks if dsinks is not None else q.new_empty((0,))
-    return contiguous(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks)
+             sinks: torch.Tensor | None, o: torch.Tensor, m: torch.Tensor, log_l: torch.Tensor,
+             cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+             max_seqlen_k: int, softmax_scale: float, left: int, right: int, backend: str,
+             partial: bool) -> list[torch.Tensor]:
+    return _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, left, right, backend, partial)
 
 
 @backward.register_fake
-def _(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      left, right, backend, extra):
+def _(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, left, right, backend, partial):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, _ = (
-        inputs)
-    out, lse, *extra = output
-    ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend = (
+        inputs[:12])
+    o, _, m, log_l = output
+    ctx.save_for_backward(q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k)
     ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend)
     ctx.has_sinks = sinks is not None
+    ctx.set_materialize_grads(False)      # an unused lse hands None, not zeros to read
 
 
-def _backward(ctx, grads):
+def _autograd_backward(ctx, grads):
     autodiff.refuse_double_backward()
     dout, dlse = grads[0], grads[1]
-    q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    # The public output is out_acc cast to q's dtype, so dout holds q-dtype values: cast back exactly.
-    dlse = dlse.contiguous() if dlse is not None else None
-    dq, dk, dv, dsinks = backward(dout.to(q.dtype).contiguous(), dlse, q, k, v, sinks, out, lse,
-                                  cu_seqlens_q, cu_seqlens_k, *ctx.options, list(extra))
-    return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 9
+    q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    # The public output is o cast to q's dtype, so dout holds q-dtype values: cast back exactly.
+    dout = torch.zeros(o.shape, dtype=q.dtype, device=q.device) if dout is None else dout.to(q.dtype)
+    dq, dk, dv, dsinks = backward(dout.contiguous(), dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q,
+                                  cu_seqlens_k, *ctx.options, False)
+    return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 10
 
 
-forward.register_autograd(_backward, setup_context=_setup_context)
+forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+              window: Window, backend: str, needs_grad: bool, check_cu_seqlens: bool = True):
+    """``(o, lse, m, log_l)`` of ``sinkattn::forward`` (see the module doc), with autograd when ``needs_grad``."""
+    args = (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window.left,
+            window.right, backend, check_cu_seqlens, needs_grad)
+    if not needs_grad and is_plain_eager(q, k, v, sinks):
+        return _forward(*args)
+    return forward(*args)
+
+
+def gradients(do, dlse, q, k, v, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+              softmax_scale: float, window: Window, backend: str, partial: bool = False):
+    """``(dq, dk, dv)`` of ``sinkattn::backward`` without sinks, from the final ``o``, ``m``, ``log_l``
+    of the rows (context parallelism's tiles)."""
+    args = (do, dlse, q, k, v, None, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, window.left, window.right, backend, partial)
+    dq, dk, dv, _ = _backward(*args) if is_plain_eager(do, q, k, v) else backward(*args)
+    return dq, dk, dv

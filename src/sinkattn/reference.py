@@ -13,7 +13,7 @@ import torch
 
 from . import masks
 
-__all__ = ["forward", "backward"]
+__all__ = ["forward", "backward", "gradients"]
 
 _NEG_INF = float("-inf")
 
@@ -35,6 +35,19 @@ def _visible_sum(p, x, vis):
         terms = p[:, :, j, None] * torch.where(bad[:, j], x[:, j], 0.0)[:, None, :]           # [HQ, Lq, D]
         out = out + torch.where(vis[None, :, j, None], terms, 0.0)
     return out
+
+
+def _sequence_grads(p, delta, dob, qb, kb, vb, vis, softmax_scale, HKV):
+    """One sequence's ``dq [Lq, HQ, D]``, ``dk``/``dv [Lk, HKV, D]`` from ``P [HQ, Lq, Lk]`` and
+    ``Delta [HQ, Lq]``: ``dS = P (dP - Delta)``, every sum over visible pairs only (a NaN or inf of
+    ``q``, ``k``, ``v`` or ``dO`` reaches the sums of the pairs that hold it), dk/dv summed over the group."""
+    HQ, Lk, D = p.shape[0], p.shape[2], qb.shape[2]
+    G = HQ // HKV
+    ds = torch.where(vis, p * (dob @ vb.transpose(1, 2) - delta[..., None]), 0.0)          # [HQ, Lq, Lk]
+    dq = softmax_scale * _visible_sum(ds, kb, vis)
+    dk = softmax_scale * _visible_sum(ds.transpose(1, 2), qb, vis.t())
+    dv = _visible_sum(p.transpose(1, 2), dob, vis.t())
+    return dq.transpose(0, 1), *(x.view(HKV, G, Lk, D).sum(1).transpose(0, 1) for x in (dk, dv))
 
 
 def _probabilities(qb, kb, sink, scale, left, right):
@@ -92,9 +105,7 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
         dq = scale dS K,  dk = scale sum_group dS^T Q,  dv = sum_group P^T dO
         dsink_h = -sum_i exp(sink_h - lse_i) Delta_i   (0 where lse_i is infinite)
     """
-    Tq, HQ, D = q.shape
-    HKV = k.shape[1]
-    G = HQ // HKV
+    HQ, HKV = q.shape[1], k.shape[1]
     f64 = dict(dtype=torch.float64, device=q.device)
     dq, dk, dv = torch.zeros(q.shape, **f64), torch.zeros(k.shape, **f64), torch.zeros(v.shape, **f64)
     dsinks = torch.zeros(HQ, **f64)
@@ -106,11 +117,25 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
         delta = (dob * ob).sum(-1)
         if dlse is not None:
             delta = delta - dlse[:, s0:s1].double()
-        ds = torch.where(vis, p * (dob @ vb.transpose(1, 2) - delta[..., None]), 0.0)   # [HQ, Lq, Lk]
-        dq[s0:s1] = (softmax_scale * _visible_sum(ds, kb, vis)).transpose(0, 1)
-        Lk = t1 - t0
-        dk[t0:t1] = (softmax_scale * ds.transpose(1, 2) @ qb).view(HKV, G, Lk, D).sum(1).transpose(0, 1)
-        dv[t0:t1] = (p.transpose(1, 2) @ dob).view(HKV, G, Lk, D).sum(1).transpose(0, 1)
+        dq[s0:s1], dk[t0:t1], dv[t0:t1] = _sequence_grads(p, delta, dob, qb, kb, vb, vis, softmax_scale, HKV)
         p_sink = torch.where(torch.isinf(lse_b), 0.0, torch.exp(sink[:, None] - lse_b))
         dsinks -= (p_sink * delta).sum(-1)
     return dq, dk, dv, dsinks
+
+
+def gradients(do, delta, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+    """``(dq, dk, dv)`` in float64 from given row statistics: ``delta`` and ``lse`` ``[HQ, Tq]`` (the final
+    ones of each row, which may see keys outside this call), ``P = exp(S - lse)`` over the visible keys."""
+    HKV = k.shape[1]
+    f64 = dict(dtype=torch.float64, device=q.device)
+    dq, dk, dv = torch.zeros(q.shape, **f64), torch.zeros(k.shape, **f64), torch.zeros(v.shape, **f64)
+    for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
+        qb, kb, vb, _ = _per_sequence_inputs(q, k, v, None, s0, s1, t0, t1)
+        Lq, Lk = s1 - s0, t1 - t0
+        vis = masks.visible(torch.arange(Lq, device=q.device), torch.arange(Lk, device=q.device), Lq, Lk, left, right)
+        s = softmax_scale * qb @ kb.transpose(1, 2)
+        p = torch.where(vis, torch.exp(s - lse[:, s0:s1, None].double()), 0.0)
+        dob = do[s0:s1].double().transpose(0, 1)
+        dq[s0:s1], dk[t0:t1], dv[t0:t1] = _sequence_grads(p, delta[:, s0:s1].double(), dob, qb, kb, vb, vis,
+                                                          softmax_scale, HKV)
+    return dq, dk, dv

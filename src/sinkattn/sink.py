@@ -1,48 +1,111 @@
-"""Sink algebra shared by the fast backends (the reference spells it out itself).
+"""Softmax statistics, their merge, and the sink: the one place that combines partial results.
 
-With ``lse_keys`` the log-sum-exp over visible keys only (``-inf`` for a row
-that sees none) and ``sink`` the raw per-head logit:
+A backend's forward computes, for each row, the softmax over its visible keys only, without the
+sink (``sinkattn.backends``)::
 
-    lse       = logaddexp(lse_keys, sink)
-    o         = exp(lse_keys - lse) * o_keys          # o_keys: softmax over keys only
-    Delta     = <dO, o> - dlse
-    dsink_h   = - sum_rows exp(sink_h - lse) * Delta
+    m     = max_j s_ij                       -inf for a row that sees no key
+    log_l = log sum_j exp(s_ij - m)          -inf for such a row
+    o     = sum_j exp(s_ij - m) v_j / l      0 for such a row
 
-All statistics are fp32 ``[HQ, T]``; the sink vector is ``[HQ]``.
+``Stats(m, log_l)`` holds the two statistics, fp32 ``[HQ, T]``, in the backend's log base
+(``base2``: kernels that exponentiate with ``exp2`` keep ``m`` in base-2 units, so that the
+backward can rebuild ``P = 2^(s2 - m - log_l)`` from the very maximum it subtracted). The pair
+stands for ``lse = m + log_l``, but is never rounded into one number: a row whose attention is
+one-hot has ``m`` equal to its largest score and ``log_l`` tiny, and ``s - m`` stays exact where
+``s - lse`` would lose ``ulp(|lse|)``.
+
+Two results over disjoint key sets of the same rows merge by the log-sum-exp rule (``merge``):
+context parallelism folds one tile after another, and the sink joins every call exactly once, at
+the end, as one more "key" of logit ``sink_h`` and no value (``with_sink``):
+
+    c     = max(m_a, m_b)                    (a finite stand-in where both are infinite)
+    Z     = exp(m_a - c + log_l_a) + exp(m_b - c + log_l_b)
+    o     = exp(m_a - c + log_l_a) / Z * o_a + exp(m_b - c + log_l_b) / Z * o_b
+    Stats = (c, log Z)
+
+A part without keys (``log_l = -inf``) adds nothing to ``o``, whatever the other part holds: a row
+that sees no key has ``o = 0``, and ``lse = sink_h`` (NaN for a NaN sink); a ``+inf`` sink takes all
+the mass (``o = 0``, ``lse = +inf``); a NaN sink makes ``o`` NaN on every row of its head that sees a
+key. The backward uses the final statistics and, per row, ``Delta = <dO, o> - dlse`` (``row_delta``);
+``dsinks_from`` is the sink's gradient.
 """
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["lse_with_sink", "key_mass", "sink_mass", "row_delta", "dsinks_from"]
+__all__ = ["Stats", "merge", "with_sink", "lse_of", "row_delta", "dsinks_from", "LOG2E", "LN2"]
 
-_LOWEST = torch.finfo(torch.float32).min
+LOG2E = 1.4426950408889634
+"""log2(e): a natural-log value times it is the same value in base 2."""
+LN2 = 0.6931471805599453
+"""ln(2): a base-2 value times it is the same value in natural units."""
 
 
-def lse_with_sink(lse_keys: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """``[HQ, T]`` fp32: the sink's logit added to the denominator."""
+class Stats(NamedTuple):
+    """Per-row softmax statistics ``m``, ``log_l`` (fp32 ``[HQ, T]``, or any matching shape), in one base."""
+
+    m: torch.Tensor
+    log_l: torch.Tensor
+
+
+def _exp(x: torch.Tensor, base2: bool) -> torch.Tensor:
+    return torch.exp2(x) if base2 else torch.exp(x)
+
+
+def _log(x: torch.Tensor, base2: bool) -> torch.Tensor:
+    return torch.log2(x) if base2 else torch.log(x)
+
+
+def _masses(a: Stats, b: Stats, base2: bool):
+    """``(mass_a, mass_b, c)``: each part's denominator relative to the shift ``c``, which is the
+    larger maximum, or a finite stand-in (so no ``-inf - -inf`` or ``inf - inf`` is formed)."""
+    c = torch.maximum(a.m, b.m)
+    c = torch.where(torch.isfinite(c), c, torch.where(torch.isfinite(a.m), a.m, torch.where(
+        torch.isfinite(b.m), b.m, 0.0)))
+    return _exp(a.m - c + a.log_l, base2), _exp(b.m - c + b.log_l, base2), c
+
+
+def _weight(mass: torch.Tensor, z: torch.Tensor, part: Stats) -> torch.Tensor:
+    """A part's share of the merged row; 0 for a part without keys (its ``o`` is 0, nothing to add)."""
+    return torch.where(part.log_l == -math.inf, 0.0, mass / z)
+
+
+def _per_row(w: torch.Tensor) -> torch.Tensor:
+    """``[HQ, *T]`` -> ``[*T, HQ, 1]``, to scale the rows of a tokens-first ``[*T, HQ, D]`` tensor."""
+    return w.movedim(0, -1).unsqueeze(-1)
+
+
+def merge(o_a: torch.Tensor, a: Stats, o_b: torch.Tensor, b: Stats, base2: bool = False):
+    """Two partial results over disjoint keys of the same rows -> ``(o, Stats)`` over their union.
+
+    ``o_a``, ``o_b``: tokens first, ``[*T, HQ, D]`` (e.g. ``[T, HQ, D]``, or ``[n, R, HQ, D]``);
+    ``a``, ``b``: their statistics ``[HQ, *T]``. ``o`` is a new tensor in ``o_a``'s dtype."""
+    mass_a, mass_b, c = _masses(a, b, base2)
+    z = mass_a + mass_b
+    o = o_a * _per_row(_weight(mass_a, z, a)).to(o_a.dtype) + o_b * _per_row(_weight(mass_b, z, b)).to(o_a.dtype)
+    return o, Stats(c, _log(z, base2))
+
+
+def with_sink(o: torch.Tensor, stats: Stats, sinks: torch.Tensor | None, base2: bool = False):
+    """The sink joins the softmax, once per call: ``o [*T, HQ, D]`` and ``stats [HQ, *T]`` over the keys
+    -> ``(o, Stats)`` final, ``o`` scaled in place. ``sinks [HQ]``: raw logits (natural units), or None."""
     if sinks is None:
-        return lse_keys
-    return torch.logaddexp(lse_keys, sinks.float().unsqueeze(-1))
+        return o, stats
+    sink = sinks.float().view(-1, *([1] * (stats.m.dim() - 1))).expand_as(stats.m)
+    sink = sink * LOG2E if base2 else sink
+    mass_keys, mass_sink, c = _masses(stats, Stats(sink, torch.zeros_like(sink)), base2)
+    z = mass_keys + mass_sink
+    return o.mul_(_per_row(_weight(mass_keys, z, stats)).to(o.dtype)), Stats(c, _log(z, base2))
 
 
-def key_mass(lse_keys: torch.Tensor, lse: torch.Tensor, rows_have_keys: bool = False) -> torch.Tensor:
-    """``[HQ, T]`` fp32: ``exp(lse_keys - lse)``, the probability mass on real keys.
-
-    0 for a row that sees no key (``lse_keys = -inf``) and for a ``+inf`` sink; ``lse`` is floored at
-    the lowest fp32 number so that ``-inf - (-inf)`` (no key, no sink) is never formed, unless the
-    caller knows that no ``lse_keys`` is ``-inf`` (``rows_have_keys``; the values are the same).
-    """
-    return torch.sub(lse_keys, lse if rows_have_keys else lse.clamp(min=_LOWEST)).exp_()
-
-
-def sink_mass(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``[HQ, T]`` fp32: ``exp(sink - lse)``, the probability taken by the sink.
-
-    0 where ``lse`` is infinite (a ``+inf`` sink, or an empty row without sink).
-    """
-    return torch.where(torch.isinf(lse), 0.0, torch.exp(sinks.float().unsqueeze(-1) - lse))
+def lse_of(stats: Stats, base2: bool = False) -> torch.Tensor:
+    """``lse = m + log_l`` in natural units (the public ``lse``), fp32."""
+    lse = stats.m + stats.log_l
+    return lse * LN2 if base2 else lse
 
 
 def row_delta(do: torch.Tensor, o: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
@@ -53,6 +116,11 @@ def row_delta(do: torch.Tensor, o: torch.Tensor, dlse: torch.Tensor | None) -> t
     return delta
 
 
-def dsinks_from(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``[HQ]`` in the sinks' dtype: ``-sum_rows exp(sink - lse) * Delta``, fp32, one fixed order."""
-    return (-(sink_mass(sinks, lse) * delta).sum(-1)).to(sinks.dtype)
+def dsinks_from(sinks: torch.Tensor, stats: Stats, delta: torch.Tensor, base2: bool = False) -> torch.Tensor:
+    """``[HQ]`` in the sinks' dtype: ``-sum_rows exp(sink - lse) * Delta``, fp32, one fixed order, the sink's
+    probability formed from the final ``stats`` (``(sink - m) - log_l``: no ``lse`` rounded at ``ulp(|lse|)``);
+    a row whose ``lse`` is infinite (a ``+inf`` sink, or no key and no sink) adds 0."""
+    sink = sinks.float().unsqueeze(-1)
+    sink = sink * LOG2E if base2 else sink
+    mass = torch.where(torch.isinf(stats.m + stats.log_l), 0.0, _exp(sink - stats.m - stats.log_l, base2))
+    return (-(mass * delta).sum(-1)).to(sinks.dtype)

@@ -1,17 +1,27 @@
-"""Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``:
+"""Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``, one protocol:
 
-    forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None)
-        -> (out [Tq, HQ, D] in CAPABILITIES.out_dtype, lse [HQ, Tq] fp32, extra: CAPABILITIES.saved)
-    backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, extra,
-             max_seqlen=None)
-        -> (dq, dk, dv, dsinks or None)
+    forward(q, k, v, batch, window, softmax_scale, needs_grad)
+        -> (o, Stats) or None
+    backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial)
+        -> (dq, dk, dv, delta)
 
-``max_seqlen`` is ``(max_seqlen_q, max_seqlen_k)``, bounds no shorter than the longest sequence
-(checked by the caller), or None to read them from ``cu_seqlens``: a backend that sizes a launch
-with them needs no copy of ``cu_seqlens`` to the host; one that reads the lengths anyway ignores it.
+The forward computes the softmax over each row's visible keys only, **without** the sink:
+``o [Tq, HQ, D]`` in ``CAPABILITIES.out_dtype`` and ``Stats(m, log_l) [HQ, Tq]`` in its base
+(``sinkattn.sink``, where the sink joins once for every backend). ``batch`` is a ``Batch`` (packed:
+``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, contiguous), or None for a dense call without gradient
+handed over as it is (``q [B, Sq, HQ, D]``, any strides; only to a backend that declares ``dense``,
+which returns ``o [B, Sq, HQ, D]`` and ``Stats [HQ, B*Sq]``, or None to have it packed).
+``needs_grad``: the backward will follow (a backend may take a faster forward otherwise).
 
-``choose`` reads only the declarations, so it runs inside ``torch.compile``'s tracing without
-importing anything; the backends themselves run inside the custom ops (``sinkattn.ops``).
+The backward gets the final results of the rows: ``o`` and ``stats`` with the sink and every key of
+the row included, ``do`` in q's dtype, ``dlse [HQ, Tq]`` or None. It returns fp32 (float64 for
+``reference``) ``dq``, ``dk``, ``dv`` shaped like q, k, v, and the ``Delta [HQ, Tq] = <dO, o> - dlse``
+it used (the sink's gradient is formed from it once, in ``sinkattn.ops``). ``partial``: the call
+holds only some of its rows' keys (a context-parallel tile), so ``Delta`` must come from ``o``.
+
+``window`` is a folded ``sinkattn.masks.Window``. ``choose`` reads only the declarations, so it runs
+inside ``torch.compile``'s tracing without importing anything; the backends themselves run inside
+the custom ops (``sinkattn.ops``), the only code that calls them.
 """
 
 from __future__ import annotations
@@ -20,9 +30,9 @@ import importlib
 from types import ModuleType
 
 from . import cpu, reference
-from .capabilities import Call, Capabilities, Saved
+from .capabilities import Batch, Capabilities, Request
 
-__all__ = ["NAMES", "load", "describe", "choose", "Call", "Capabilities", "Saved"]
+__all__ = ["NAMES", "load", "describe", "choose", "Request", "Capabilities", "Batch"]
 
 NAMES = ("cpu", "triton", "reference")
 _AUTO = {"cpu": "cpu", "cuda": "triton"}
@@ -46,25 +56,25 @@ def describe(name: str) -> Capabilities:
     return load(name).CAPABILITIES
 
 
-def choose(backend: str, call: Call) -> str:
-    """The name of the backend for ``call``; NotImplementedError with the reason if none can take it.
+def choose(backend: str, request: Request) -> str:
+    """The name of the backend for ``request``; NotImplementedError with the reason if none can take it.
 
     Meta tensors (shapes only, no data) are taken by every backend as if on a device it runs on:
     no backend runs, the ops' fake implementations describe the results (``sinkattn.ops``)."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, one of {('auto',) + NAMES}, got {type(backend).__name__}")
     if backend == "auto":
-        name = _AUTO.get(call.device_type, "cpu" if call.device_type == "meta" else None)
+        name = _AUTO.get(request.device_type, "cpu" if request.device_type == "meta" else None)
         if name is None:
             raise NotImplementedError(
-                f"no backend runs on {call.device_type!r} tensors; move them to the CPU or a CUDA GPU")
+                f"no backend runs on {request.device_type!r} tensors; move them to the CPU or a CUDA GPU")
     elif backend in NAMES:
         name = backend
     else:
         raise ValueError(f"backend must be one of {('auto',) + NAMES}, got {backend!r}")
-    if call.device_type == "meta":
-        call = call._replace(device_type=min(describe(name).device_types))
-    reason = describe(name).why_not(call)
+    if request.device_type == "meta":
+        request = request._replace(device_type=min(describe(name).device_types))
+    reason = describe(name).why_not(request)
     if reason is not None:
         raise NotImplementedError(reason)
     return name

@@ -1,5 +1,5 @@
-"""What a backend declares: what it can run (and the one check that reads it), and what its
-forward returns, so the custom op's fake implementation can describe a call without running it."""
+"""What a backend declares: what it can run (and the one check that reads it), and what its forward
+returns, so the custom op's fake implementation can describe a call without running it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Capabilities", "Call", "Saved"]
+__all__ = ["Capabilities", "Request", "Batch"]
 
 
-class Call(NamedTuple):
+class Request(NamedTuple):
     """The facts about one call that decide whether a backend can take it (a tuple: one is made per
     call, and a frozen dataclass costs a microsecond to build)."""
 
@@ -21,19 +21,14 @@ class Call(NamedTuple):
     needs_grad: bool
 
 
-@dataclass(frozen=True)
-class Saved:
-    """One extra tensor the forward returns for the backward: its shape in the symbols
-    ``Tq``, ``Tk``, ``HQ``, ``HKV``, ``D`` (``()`` for a scalar), its dtype, on q's device."""
+class Batch(NamedTuple):
+    """A packed batch: sequence ``b`` owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (int32
+    ``[N+1]``) and the keys of ``cu_seqlens_k``; ``max_seqlen_*`` bound the lengths (ints, checked)."""
 
-    name: str
-    shape: tuple[str, ...]
-    dtype: torch.dtype
-
-    def like(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """An empty tensor of this description for ``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``."""
-        sizes = dict(Tq=q.shape[0], HQ=q.shape[1], D=q.shape[2], Tk=k.shape[0], HKV=k.shape[1])
-        return q.new_empty(tuple(sizes[s] for s in self.shape), dtype=self.dtype)
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 @dataclass(frozen=True)
@@ -44,19 +39,20 @@ class Capabilities:
     max_head_dim: int
     backward: bool = True
     device_hint: str = ""      # what to do about a device it does not take
-    out_dtype: torch.dtype = torch.float32      # dtype of the forward's ``out`` (cast to q's by the caller)
-    saved: tuple[Saved, ...] = ()              # the forward's extra tensors, in order
+    out_dtype: torch.dtype = torch.float32      # dtype of the forward's ``o`` and statistics
+    base2: bool = False        # statistics in base 2 (``sinkattn.sink``)
+    dense: bool = False        # its forward may take a dense no-grad call's tensors as they are
 
-    def why_not(self, call: Call) -> str | None:
-        """None when the backend can take ``call``, else the reason in one sentence."""
-        if call.device_type not in self.device_types:
+    def why_not(self, request: Request) -> str | None:
+        """None when the backend can take ``request``, else the reason in one sentence."""
+        if request.device_type not in self.device_types:
             return (f"backend {self.name!r} runs on {sorted(self.device_types)} tensors, "
-                    f"got {call.device_type!r} tensors" + (f"; {self.device_hint}" if self.device_hint else ""))
-        if call.dtype not in self.dtypes:
+                    f"got {request.device_type!r} tensors" + (f"; {self.device_hint}" if self.device_hint else ""))
+        if request.dtype not in self.dtypes:
             names = sorted(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"backend {self.name!r} supports dtypes {names}, got {call.dtype}"
-        if call.head_dim > self.max_head_dim:
-            return f"backend {self.name!r} supports head dims up to {self.max_head_dim}, got {call.head_dim}"
-        if call.needs_grad and not self.backward:
+            return f"backend {self.name!r} supports dtypes {names}, got {request.dtype}"
+        if request.head_dim > self.max_head_dim:
+            return f"backend {self.name!r} supports head dims up to {self.max_head_dim}, got {request.head_dim}"
+        if request.needs_grad and not self.backward:
             return f"backend {self.name!r} has no backward"
         return None

@@ -1,21 +1,16 @@
-"""CPU path on PyTorch's fused flash-attention kernel, tile by tile.
+"""CPU inference path on PyTorch's fused flash-attention kernel (forward only).
 
-The kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``) streams keys
-with an online softmax, takes GQA without copying K/V, returns the log-sum-exp
-over keys, and has a backward that takes a log-sum-exp as input. Fed ``out = o``
-and ``logsumexp = lse`` *with* the sink, that backward recomputes
-``P = exp(S - lse)`` (the sink's probabilities) and ``Delta = <dO, o>``: exactly
-the sink attention backward. A ``dlse`` term rides on one extra head-dim column:
-``q, k, o += [0]``, ``v += [1]``, ``dO += [dlse]`` adds ``dlse_i`` to every
-``dP_ij``, i.e. ``Delta_i -> <dO_i, o_i> - dlse_i``.
+The kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``) streams keys with an online
+softmax, takes GQA without copying K/V and returns the log-sum-exp over keys: the partial result of
+the backend protocol (``sinkattn.sink``) with ``Stats(m = lse, log_l = 0)``. It is the fastest forward
+PyTorch has on a CPU; calls that need gradients take ``cpu_tiles`` instead, whose forward and backward
+share their tiles (the fused backward rebuilds ``P`` from an ``lse`` rounded at ``ulp(|lse|)``).
 
-Masks map onto the kernel per sequence (``plan``): full attention is one call;
-causal is one top-left-causal call on the square diagonal part plus, when
-``Lk > Lq``, one unmasked call on the keys every row sees; anything else
-(windows) is cut into blocks of ``BLOCK_M`` rows, each given only its visible key
-range and a small additive mask where the block is partly visible. Blocks
-outside the limits are never computed; partial results over the same rows are
-merged by log-sum-exp.
+Masks map onto the kernel per sequence (``plan``), each row in exactly one kernel call: full
+attention is one call, square causal one top-left-causal call (the rows of ``Lq > Lk`` that see no
+key left out), anything else (windows, causal ``Lq < Lk``) is cut into blocks of ``BLOCK_M`` rows,
+each given only its visible key range and an additive mask where the block is partly visible. Blocks
+outside the limits are never computed.
 """
 
 from __future__ import annotations
@@ -23,19 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .. import masks, sink
-from .layout import Run, Span, group_views, heads_first, stat_view, write, zero_unwritten
+from .. import masks
+from .layout import Run, Span, heads_first, stat_view, zero_unwritten
 
-__all__ = ["forward", "backward", "single_call", "single_part", "forward_single", "forward_heads_first",
-           "backward_single", "plan", "BLOCK_M"]
+__all__ = ["forward", "single_call", "single_part", "forward_heads_first", "plan", "BLOCK_M"]
 
 BLOCK_M = 64
 """Query rows per block on the windowed path."""
 
 _FWD = torch._scaled_dot_product_flash_attention_for_cpu     # the same op as torch.ops.aten's, 2 us cheaper to call
-_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _NEG_INF = float("-inf")
 
 
@@ -83,7 +75,7 @@ class Part:
 
 
 def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tuple[Part, ...]:
-    """The kernel calls that cover exactly the visible (i, j) pairs of one sequence.
+    """The kernel calls that cover exactly the visible (i, j) pairs of one sequence, each row in one call.
 
     Not cached across calls: a plan is a walk over ``Lq / block_m`` blocks, and its band masks
     cost a small fraction of the attention over them, while a cache keyed by lengths would
@@ -93,11 +85,8 @@ def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tup
     if left < 0 and right < 0:
         return (Part(0, Lq, 0, Lk),)
     offset = Lk - Lq
-    if left < 0 and right == 0:
-        if offset < 0:                   # rows [0, -offset) see no key
-            return (Part(-offset, Lq, 0, Lk, causal=True),)
-        diagonal = Part(0, Lq, offset, Lk, causal=True)
-        return ((Part(0, Lq, 0, offset),) if offset > 0 else ()) + (diagonal,)
+    if left < 0 and right == 0 and offset <= 0:      # rows [0, -offset) see no key
+        return (Part(-offset, Lq, 0, Lk, causal=True),)
     parts, band_masks = [], {}
     for r0, r1, k0, k1, full in masks.row_blocks(Lq, Lk, left, right, block_m):
         if full:
@@ -146,31 +135,13 @@ def _band_mask(R: int, K: int, shift: int, left: int, right: int) -> tuple[torch
     return torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF), vis.any(1)
 
 
-def _merge(og, lg, o_p, lse_p, start: int, fresh: slice, seen: slice) -> None:
-    """Combine a part's ``(o_p, lse_p)`` over rows ``start:`` into the accumulators ``og``/``lg``.
-
-    Fresh rows are assigned; rows already holding a result over other keys are merged:
-    ``lse = logaddexp(lse_a, lse_b)``, ``o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b``.
-    """
-    f = slice(fresh.start - start, fresh.stop - start)
-    og[:, :, fresh] = o_p[:, :, f]
-    lg[:, :, fresh] = lse_p[:, :, f]
-    if seen.stop > seen.start:
-        s = slice(seen.start - start, seen.stop - start)
-        lse_a, lse_b = lg[:, :, seen], lse_p[:, :, s]
-        lse_new = torch.logaddexp(lse_a, lse_b)
-        og[:, :, seen] = (og[:, :, seen] * sink.key_mass(lse_a, lse_new)[..., None]
-                          + o_p[:, :, s] * sink.key_mass(lse_b, lse_new)[..., None])
-        lg[:, :, seen] = lse_new
-
-
-def single_call(split, left: int, right: int, all_keys: bool = False) -> tuple[Run, Part] | None:
+def single_call(split, window, all_keys: bool = False) -> tuple[Run, Part] | None:
     """``(run, part)`` when one kernel call covers the whole batch (``split.single``: a dense batch or
     one sequence) without a mask: every row against the keys ``[part.k0, part.k1)`` (full or square
     causal attention, or a window that every row sees whole, as in decoding), else None.
     ``all_keys``: only a call that also covers every key."""
     run = split.single
-    part = None if run is None else single_part(run.Lq, run.Lk, left, right)
+    part = None if run is None else single_part(run.Lq, run.Lk, *window)
     if part is None or (all_keys and (part.k0, part.k1) != (0, run.Lk)):
         return None
     return run, part
@@ -184,46 +155,6 @@ def single_part(Lq: int, Lk: int, left: int, right: int) -> Part | None:
     return parts[0]
 
 
-def _tokens_first(x: torch.Tensor) -> torch.Tensor:
-    """Kernel result ``[N, H, L, D]`` (laid out as ``[N, L, H, D]``, like its inputs) -> ``[N*L, H, D]``."""
-    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
-
-
-def _forward_run(part, qg, kg, vg, og, lg, rows: Span, softmax_scale) -> None:
-    """A run of same-geometry blocks in one kernel call per batch item; rows are disjoint."""
-    fresh, seen = rows.take(part.r0, part.r1)
-    assert seen.stop == seen.start, "runs only cover rows seen for the first time"
-    c, R, K = part.count, part.block_rows, part.block_keys
-    for i in range(qg.shape[0]):
-        o, lse = _FWD(_windows(qg, i, part.r0, c, R, R), _windows(kg, i, part.k0, c, K, R),
-                      _windows(vg, i, part.k0, c, K, R), 0.0, False, attn_mask=part.mask,
-                      scale=softmax_scale)                               # [c, HQ, R, D], [c, HQ, R]
-        _windows(og, i, part.r0, c, R, R).copy_(o)
-        if part.has_key is not None:   # the kernel reports lse 0 on fully masked rows
-            lse = lse.masked_fill(~part.has_key, _NEG_INF)
-        _stat_windows(lg, i, part).copy_(lse)
-
-
-def _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows: Span, keys: Span, softmax_scale) -> None:
-    """Backward of a run: dQ per block; dK/dV of the overlapping key windows added in a fixed order."""
-    rows.take(part.r0, part.r1)
-    fresh, _ = keys.take(part.k0, part.k1)
-    dkg[:, :, fresh] = 0.0
-    dvg[:, :, fresh] = 0.0
-    c, R, K = part.count, part.block_rows, part.block_keys
-    D = dqg.shape[-1]                      # without the dlse column
-    for i in range(qg.shape[0]):
-        dq, dk, dv = _BWD(_windows(dog, i, part.r0, c, R, R), _windows(qg, i, part.r0, c, R, R),
-                          _windows(kg, i, part.k0, c, K, R), _windows(vg, i, part.k0, c, K, R),
-                          _windows(og, i, part.r0, c, R, R), _stat_windows(lg, i, part).contiguous(), 0.0, False,
-                          attn_mask=part.mask, scale=softmax_scale)      # dk, dv: [c, HKV, K, D]
-        _windows(dqg, i, part.r0, c, R, R).copy_(dq[..., :D])
-        for j in range(0, K, R):           # chunk j of every window: disjoint targets, one add each
-            w = min(R, K - j)
-            _windows(dkg, i, part.k0 + j, c, w, R).add_(dk[:, :, j:j + w, :D])
-            _windows(dvg, i, part.k0 + j, c, w, R).add_(dv[:, :, j:j + w, :D])
-
-
 def forward_heads_first(qh, kh, vh, part, softmax_scale):
     """One kernel call on heads-first views (any strides): ``qh [N, HQ, Lq, D]``, ``kh``/``vh [N, HKV, Lk, D]``
     under ``single_call``'s ``part`` -> ``(o_keys [N, HQ, Lq, D], lse_keys [N, HQ, Lq])``; ``o_keys`` is laid
@@ -233,75 +164,39 @@ def forward_heads_first(qh, kh, vh, part, softmax_scale):
     return _FWD(qh, kh, vh, 0.0, part.causal, scale=softmax_scale)
 
 
-def forward_single(q, k, v, single, softmax_scale):
-    """The whole batch in one kernel call (``single_call``): ``(o_keys [Tq, HQ, D], lse_keys [HQ, Tq])``
-    in the kernel's own result buffers, no copy."""
-    (run, part), (Tq, HQ) = single, q.shape[:2]
-    o, lse = forward_heads_first(heads_first(q, 0, run.n, run.Lq), heads_first(k, 0, run.n, run.Lk),
-                                 heads_first(v, 0, run.n, run.Lk), part, softmax_scale)
-    return _tokens_first(o), lse.transpose(0, 1).reshape(HQ, Tq)
+def _run_call(part, qg, kg, vg, og, lg, i, softmax_scale) -> None:
+    """A run of ``count`` same-geometry blocks of batch item ``i`` in one kernel call, into ``og``/``lg``."""
+    c, R, K = part.count, part.block_rows, part.block_keys
+    o, lse = _FWD(_windows(qg, i, part.r0, c, R, R), _windows(kg, i, part.k0, c, K, R),
+                  _windows(vg, i, part.k0, c, K, R), 0.0, part.causal, attn_mask=part.mask,
+                  scale=softmax_scale)                               # [c, HQ, R, D], [c, HQ, R]
+    _windows(og, i, part.r0, c, R, R).copy_(o)
+    if part.has_key is not None:   # the kernel reports lse 0 on fully masked rows
+        lse = lse.masked_fill(~part.has_key, _NEG_INF)
+    _stat_windows(lg, i, part).copy_(lse)
 
 
-def forward(q, k, v, runs, out, lse_keys, softmax_scale, left, right):
+def forward(q, k, v, runs, out, lse_keys, softmax_scale, window):
     """Fill fp32 ``out [Tq, HQ, D]`` and ``lse_keys [HQ, Tq]`` on the rows of ``runs`` from fp32
     ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``: the softmax over visible keys only (``lse_keys = -inf``,
     ``o = 0`` on rows that see none)."""
-    for _, Lq, Lk, (qg, og), (kg, vg), (lg,) in group_views(runs, (q, out), (k, v), (lse_keys,)):
+    for run in runs:
+        qg, og = heads_first(q, run.tq, run.n, run.Lq), heads_first(out, run.tq, run.n, run.Lq)
+        kg, vg = heads_first(k, run.tk, run.n, run.Lk), heads_first(v, run.tk, run.n, run.Lk)
+        lg = stat_view(lse_keys, run.tq, run.n, run.Lq)
         rows = Span()
-        for part in plan(Lq, Lk, left, right):
-            if part.count > 1:
-                _forward_run(part, qg, kg, vg, og, lg, rows, softmax_scale)
+        for part in plan(run.Lq, run.Lk, *window):
+            rows.take(part.r0, part.r1)
+            if part.count > 1:           # a run of same-geometry blocks: one call per batch item
+                for i in range(run.n):
+                    _run_call(part, qg, kg, vg, og, lg, i, softmax_scale)
                 continue
             keys = slice(part.k0, part.k1)
             o_p, lse_p = _FWD(qg[:, :, part.r0:part.r1], kg[:, :, keys], vg[:, :, keys], 0.0, part.causal,
                               attn_mask=part.mask, scale=softmax_scale)    # [N, HQ, r, D], [N, HQ, r]
             if part.has_key is not None:   # the kernel reports lse 0 on fully masked rows
                 lse_p = lse_p.masked_fill(~part.has_key, _NEG_INF)
-            _merge(og, lg, o_p, lse_p, part.r0, *rows.take(part.r0, part.r1))
-        zero_unwritten(rows, Lq, og)
-        zero_unwritten(rows, Lq, lg, value=_NEG_INF)
-
-
-def _with_dlse(do, dlse, q, k, v, out):
-    """The ``dlse`` term on one extra head-dim column (module doc); ``lse = -inf`` rows made ``+inf``."""
-    if dlse is None:
-        return do, q, k, v, out
-    do = torch.cat([do, dlse.float().t()[..., None]], dim=-1)
-    return do, F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1), value=1.0), F.pad(out, (0, 1))
-
-
-def backward_single(do, dlse, q, k, v, out, lse, single, softmax_scale):
-    """fp32 ``(dq, dk, dv)`` of the whole batch in one kernel call (``single_call``)."""
-    (run, part), D = single, q.shape[-1]
-    n, Lq, Lk = run.n, run.Lq, run.Lk
-    do, q, k, v, out = _with_dlse(do, dlse, q, k, v, out)
-    lse = lse.masked_fill(lse == _NEG_INF, float("inf"))   # exp(S - lse) = 0 on rows that see nothing
-    grads = _BWD(heads_first(do, 0, n, Lq), heads_first(q, 0, n, Lq), heads_first(k, 0, n, Lk),
-                 heads_first(v, 0, n, Lk), heads_first(out, 0, n, Lq), stat_view(lse, 0, n, Lq).contiguous(),
-                 0.0, part.causal, scale=softmax_scale)
-    return tuple(_tokens_first(g)[..., :D] for g in grads)
-
-
-def backward(do, dlse, q, k, v, out, lse, runs, dq, dk, dv, softmax_scale, left, right):
-    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of ``runs`` from fp32 ``do``, ``out`` (with sink)
-    and ``lse [HQ, Tq]`` (with sink)."""
-    D = q.shape[-1]
-    do, q, k, v, out = _with_dlse(do, dlse, q, k, v, out)
-    lse = lse.masked_fill(lse == _NEG_INF, float("inf"))   # exp(S - lse) = 0 on rows that see nothing
-    for _, Lq, Lk, (qg, dog, og, dqg), (kg, vg, dkg, dvg), (lg,) in group_views(
-            runs, (q, do, out, dq), (k, v, dk, dv), (lse,)):
-        rows_done, keys_done = Span(), Span()
-        for part in plan(Lq, Lk, left, right):
-            if part.count > 1:
-                _backward_run(part, qg, kg, vg, dog, og, lg, dqg, dkg, dvg, rows_done, keys_done, softmax_scale)
-                continue
-            rows, keys = slice(part.r0, part.r1), slice(part.k0, part.k1)
-            dq_p, dk_p, dv_p = _BWD(dog[:, :, rows], qg[:, :, rows], kg[:, :, keys], vg[:, :, keys],
-                                    og[:, :, rows], lg[:, :, rows].contiguous(), 0.0, part.causal,
-                                    attn_mask=part.mask, scale=softmax_scale)
-            write(dqg, dq_p[..., :D], part.r0, *rows_done.take(part.r0, part.r1))
-            fresh, seen = keys_done.take(part.k0, part.k1)
-            write(dkg, dk_p[..., :D], part.k0, fresh, seen)
-            write(dvg, dv_p[..., :D], part.k0, fresh, seen)
-        zero_unwritten(rows_done, Lq, dqg)
-        zero_unwritten(keys_done, Lk, dkg, dvg)
+            og[:, :, part.r0:part.r1] = o_p
+            lg[:, :, part.r0:part.r1] = lse_p
+        zero_unwritten(rows, run.Lq, og)
+        zero_unwritten(rows, run.Lq, lg, value=_NEG_INF)

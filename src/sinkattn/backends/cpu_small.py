@@ -5,8 +5,8 @@ keys. One kernel call per such sequence would cost far more than its attention (
 sequence: about 45 us for a few hundred flops); instead the short sequences of a call are gathered
 into buckets of one padded shape ``(Pq, Pk) = (padded_length(Lq), padded_length(K))`` (``K``: the
 keys its rows can see, ``masks.block_key_range``), zero-filled and masked past each sequence's own
-lengths, and each bucket's ``[Pq, Pk]`` scores are materialized at once with ``cpu_slab``'s block
-algebra (exact at any score size); results are scattered back to the token layout. (A dense batch,
+lengths, and each bucket's ``[Pq, Pk]`` scores are materialized at once as one tile of
+``cpu_tiles`` (same algebra, exact at any score size); results are scattered back to the token layout. (A dense batch,
 whose sequences share their lengths, and a run of consecutive equal-length sequences are one kernel
 call on the other paths.)
 
@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
-from . import buffers
-from .cpu_slab import SLAB_ELEMENTS, block_backward, block_forward, sink_rows
+from .cpu_tiles import block_forward, block_gradients, block_probabilities, row_sums
 from .layout import Sequences, token_ranges
 
-__all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH"]
+__all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH", "SLAB_ELEMENTS"]
+
+SLAB_ELEMENTS = 1 << 22
+"""Scores per bucket of short sequences (fp32: 16 MiB)."""
 
 SHORT_LENGTH = 16
 """Sequences with at most this many queries and keys are batched here. Measured by
@@ -163,34 +165,40 @@ def _group_mask(mask: torch.Tensor, G: int) -> torch.Tensor:
     return mask.repeat(1, G, 1)[:, None]
 
 
-def forward(q, k, v, small, softmax_scale, left, right, literal=False, sinks=None, out=None, lse=None):
-    """``(out [Tq, HQ, D], lse [HQ, Tq])`` fp32 on the rows of the small sequences (``layout.Split.small``),
-    written into ``out``/``lse`` when given, else into new buffers (the call's sequences are then all
-    small): the final results, the sink (``sinks [HQ]`` or None) in the softmax. A sequence's values
-    depend on its own inputs only (its padded shape is a function of its lengths)."""
-    (Tq, HQ, D), HKV = q.shape, k.shape[1]
-    G = HQ // HKV
-    if out is None:
-        out, lse = buffers.new((Tq, HQ, D), torch.float32, q.device), buffers.new((HQ, Tq), torch.float32, q.device)
-    for batch in _batches(small, HQ, HKV, left, right):
-        qs = batch.queries(q)
-        o, lse_b = block_forward(qs, batch.keys(k), batch.keys(v), _group_mask(batch.mask, G), softmax_scale, literal,
-                                 sink_rows(sinks, HKV, qs.shape[2] // G))
-        batch.put_queries(out, o)
-        batch.put_stat(lse, lse_b)
-    return out, lse
-
-
-def backward(do, dlse, q, k, v, sinks, small, dq, dk, dv, softmax_scale, left, right, literal=False):
-    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of the small sequences (``layout.Split.small``)."""
+def forward(q, k, v, small, out, m, log_l, softmax_scale, window, literal=False):
+    """Fill fp32 ``out [Tq, HQ, D]`` (the softmax over keys) and ``m``/``log_l [HQ, Tq]`` on the rows of the
+    small sequences (``layout.Split.small``), as ``cpu_tiles.forward`` does. A sequence's values depend on
+    its own inputs only (its padded shape is a function of its lengths)."""
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
-    for batch in _batches(small, HQ, HKV, left, right):
-        qs = batch.queries(q)
-        dl = batch.stat(dlse.float())[..., None] if dlse is not None else None
-        dq_s, dk_b, dv_b = block_backward(qs, batch.keys(k), batch.keys(v), batch.queries(do), dl,
-                                          sink_rows(sinks, HKV, qs.shape[2] // G), _group_mask(batch.mask, G),
-                                          softmax_scale, literal)
-        batch.put_queries(dq, dq_s)
+    for batch in _batches(small, HQ, HKV, *window):
+        o, mb, lb = block_forward(batch.queries(q).mul_(softmax_scale),
+                                  [(batch.keys(k), batch.keys(v), _group_mask(batch.mask, G), literal)])
+        batch.put_queries(out, o)
+        batch.put_stat(m, mb.squeeze(-1))
+        batch.put_stat(log_l, lb.squeeze(-1))
+
+
+def backward(do, q, k, v, m, inv_l, delta, dlse, small, dq, dk, dv, softmax_scale, window, literal=False,
+             exact=False):
+    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of the small sequences from the final statistics
+    (``m``, ``inv_l = 1 / l``) and ``delta``, all ``[HQ, Tq]``; ``exact`` as in ``cpu_tiles.backward``
+    (each bucket is one tile: its products give ``Delta`` at no extra cost)."""
+    HQ, HKV = q.shape[1], k.shape[1]
+    G = HQ // HKV
+    for batch in _batches(small, HQ, HKV, *window):
+        qs, dos, kb, mask = batch.queries(q).mul_(softmax_scale), batch.queries(do), batch.keys(k), (
+            _group_mask(batch.mask, G))
+        p, dp = block_probabilities(qs, kb, batch.keys(v), dos, batch.stat(m)[..., None], batch.stat(inv_l)[..., None],
+                                    mask, literal)
+        if exact:
+            db = row_sums(p, dp)
+            if dlse is not None:
+                db = db.sub_(batch.stat(dlse)[..., None])
+            batch.put_stat(delta, db.squeeze(-1))
+        else:
+            db = batch.stat(delta)[..., None]
+        dq_s, dk_b, dv_b = block_gradients(p, dp, db, qs, kb, dos, mask, literal)
+        batch.put_queries(dq, dq_s.mul_(softmax_scale))
         batch.put_keys(dk, dk_b)
         batch.put_keys(dv, dv_b)

@@ -1,10 +1,15 @@
-"""``backend="reference"``: the float64 golden behind the public API (any device)."""
+"""``backend="reference"``: the float64 golden behind the public API (any device), in the backend protocol.
+
+The forward is ``sinkattn.reference.forward`` without sinks (the softmax over keys, float64), with
+``Stats(lse_keys, 0)``; the backward forms ``P = exp(S - m - log_l)`` from the final statistics,
+``dS = P (dP - Delta)`` and the gradient sums over visible pairs, per sequence, in float64.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .. import reference
+from .. import reference, sink
 from .capabilities import Capabilities
 
 __all__ = ["CAPABILITIES", "forward", "backward"]
@@ -17,16 +22,18 @@ CAPABILITIES = Capabilities(
     out_dtype=torch.float64,
 )
 
-
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
-    """``(out [Tq, HQ, D] float64, lse [HQ, Tq] fp32, ())``."""
-    out, lse = reference.forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
-    return out, lse.float(), ()
+_NEG_INF = float("-inf")
 
 
-def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra, max_seqlen=None):
-    """``(dq, dk, dv)`` float64 and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
-    dq, dk, dv, dsinks = reference.backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k,
-                                            softmax_scale, left, right)
-    return dq, dk, dv, (dsinks.to(sinks.dtype) if sinks is not None else None)
+def forward(q, k, v, batch, window, softmax_scale, needs_grad):
+    """``(o [Tq, HQ, D] float64, Stats [HQ, Tq] float64)`` over keys."""
+    o, lse = reference.forward(q, k, v, None, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale, *window)
+    return o, sink.Stats(lse, torch.where(lse == _NEG_INF, _NEG_INF, 0.0))
+
+
+def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial):
+    """``(dq, dk, dv)`` float64 and ``delta [HQ, Tq]`` float64."""
+    delta = sink.row_delta(do.double(), o.double(), dlse).double()
+    lse = stats.m.double() + stats.log_l.double()
+    return (*reference.gradients(do, delta, lse, q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale,
+                                 *window), delta)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import autocast, autodiff, backends, defaults, masks, validation
+from .. import autocast, autodiff, backends, validation
+from ..call import Call, settle
 from . import group as groups
 from . import ring, ulysses
 from .layout import LAYOUTS, check_layout, check_lengths, lengths_of
@@ -24,18 +25,18 @@ def _check_method(method) -> str:
 _DEVICES = ("cpu", "cuda", "another device")
 
 
-def _facts(q, k, sinks, scale, left, right, return_lse, method, layout, backend, needs_grad, P):
+def _facts(q, k, sinks, call: Call, return_lse, method, layout, P):
     """What every rank must agree on besides the packing, as numbers: shapes, dtype, device kind,
     options (``_shown`` puts each back in words)."""
     return {
         "the group size": P, **{f"q.shape[{i}]": n for i, n in enumerate(q.shape)},
         **{f"k.shape[{i}]": n for i, n in enumerate(k.shape)}, "the dtype": _DTYPES[q.dtype],
         "the device type": _DEVICES.index(q.device.type) if q.device.type in _DEVICES[:2] else 2,
-        "whether sinks are given": sinks is not None, "softmax_scale": scale, "the left window": left,
-        "the right window (0 under causal=True)": right, "return_lse": bool(return_lse),
-        "method": METHODS.index(method),
-        "layout": LAYOUTS.index(layout), "backend": backends.NAMES.index(backend),
-        "whether gradients are needed": needs_grad,
+        "whether sinks are given": sinks is not None, "softmax_scale": call.softmax_scale,
+        "the left window": call.window.left, "the right window (0 under causal=True)": call.window.right,
+        "return_lse": bool(return_lse), "method": METHODS.index(method),
+        "layout": LAYOUTS.index(layout), "backend": backends.NAMES.index(call.backend),
+        "whether gradients are needed": call.needs_grad,
     }
 
 
@@ -72,12 +73,11 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
 
     ``lengths_fn(q, k, v, P)`` checks the shapes and returns ``(lengths, longest)``. Returns the
     group, ``(q, k, v)`` as the methods take them (cast under autocast, see ``sinkattn.autocast``)
-    and what the methods need."""
+    and ``(lengths, call)``, the call settled once (``sinkattn.call``), its window folded on ``longest``."""
     autodiff.refuse_transforms()   # no collective runs inside one; a transform wraps the call on every rank
     g = groups.resolve(group)
     facts, error, ready, lengths = None, None, None, None
     try:
-        autodiff.refuse_forward_ad(q, k, v, sinks)
         q, k, v = autocast.autocast_inputs(q, k, v)
         _refuse_meta(q, k, v)
         _check_method(method)
@@ -85,14 +85,12 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
         lengths, longest = lengths_fn(q, k, v, g.size)
         validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
         _check_device(q, g)
-        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-        name = backends.choose(backend, backends.Call(q.device.type, q.dtype, q.shape[-1], needs_grad))
-        left, right = masks.normalize_window(validation.as_bool("causal", causal), window_size, longest, longest)
-        scale = defaults.softmax_scale(q.shape[-1], softmax_scale)
+        call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend)
+        call = call._replace(window=call.window.folded(longest, longest))
         if method == "ulysses":
             ulysses.check_heads(q.shape[-2], k.shape[-2], g.size)
-        facts = _facts(q, k, sinks, scale, left, right, return_lse, method, layout, name, needs_grad, g.size)
-        ready = (lengths, scale, left, right, name)
+        facts = _facts(q, k, sinks, call, return_lse, method, layout, g.size)
+        ready = (lengths, call)
     except Exception as exc:       # noqa: BLE001 - every rank learns why this one cannot go on (groups.agree)
         error = exc
     groups.agree(g, facts, error, _shown, packing=lengths if packed else None)
@@ -100,10 +98,10 @@ def _prepare(q, k, v, sinks, lengths_fn, softmax_scale, causal, window_size, ret
 
 
 def _attention(method, q, k, v, sinks, g, layout, ready):
-    lengths, scale, left, right, name = ready
+    lengths, call = ready
     run = ring.attention if method == "ring" else ulysses.attention
     with autocast.disabled(q.device):     # q, k, v are cast already; the merges stay fp32
-        return run(q, k, v, sinks, lengths, g, layout, scale, left, right, name)
+        return run(q, k, v, sinks, lengths, g, layout, call)
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, *, sinks=None, softmax_scale=None, causal=False,

@@ -3,22 +3,18 @@ shard in hand while the next one is in flight.
 
 Step ``t`` on rank ``r`` holds the K/V shard of rank ``s = (r - t) mod P``. Its tiles (at most
 ``TILE_ROWS`` rows of a local query chunk against one chunk of that shard, for a run of sequences
-of one length; see ``plan``) run without sinks, each giving ``(o_b, lse_b)`` over its keys only,
-merged in step order:
+of one length; see ``plan``) are calls of the ``sinkattn::forward`` op without sinks, each giving
+the softmax over its keys, merged into the rows in step order (``sinkattn.sink.merge``); the sink
+joins once at the end (``sinkattn.sink.with_sink``), exactly as in a single call. Tiles no query
+can see are never computed.
 
-    lse = logaddexp(lse, lse_b),   o = exp(lse_old - lse) o + exp(lse_b - lse) o_b
-
-and the sink enters once at the end (``sinkattn.sink``): ``lse_f = logaddexp(lse, sink)``,
-``o_f = exp(lse - lse_f) o``. Tiles no query can see are never computed.
-
-Backward, per tile, with ``w = exp(lse_b - lse_f)`` (the tile's share of a row's mass) and
-``Delta = <dO, o_f> - dlse`` over the whole row: the tile's own forward is recomputed and its
-backend's backward is called with ``dO_b = w dO`` and ``dlse_b = w (<dO, o_b> - Delta)``, so the
-backend's ``Delta_b = <dO_b, o_b> - dlse_b = w Delta`` and its ``P_b (dP_b - Delta_b)`` equals
-``P (dP - Delta)`` of the full softmax: the exact dQ / dK / dV contributions of the tile, from
-any backend. dK/dV accumulators travel the ring behind their K/V and arrive home after P steps,
-summed in ring order. ``dsinks = -sum_rows exp(sink - lse_f) Delta`` over this rank's rows.
-Every sum runs in one fixed order: results are bitwise reproducible for a fixed P and layout.
+Backward, per tile, the ``sinkattn::backward`` op with the rows' final ``o`` and statistics (the
+sink and every key of the ring included) and ``dO`` as it came: the backend's ``P`` is then the
+full softmax's restricted to the tile and its ``Delta = <dO, o> - dlse`` the full row's, so each
+tile's dQ / dK / dV terms are the exact ones, from any backend, with nothing rounded on the way.
+dK/dV accumulators travel the ring behind their K/V and arrive home after P steps, summed in ring
+order. ``dsinks = -sum_rows exp(sink - lse) Delta`` over this rank's rows. Every sum runs in one
+fixed order: results are bitwise reproducible for a fixed P and layout.
 """
 
 from __future__ import annotations
@@ -27,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import autocast, autodiff, backends, masks, sink
+from .. import autocast, autodiff, backends, masks, ops, sink
+from ..call import Call
+from ..masks import Window
 from .group import Exchange, Group
 from .layout import chunk_ids, chunks_per_sequence
 
@@ -68,14 +66,13 @@ class Rows:
 @dataclass(frozen=True)
 class Tile:
     """Rows ``q`` of the local queries against rows ``k`` of a K/V shard (``n`` sequences of one
-    geometry, one packed call) under the local window ``(left, right)``."""
+    geometry, one packed call) under the local window."""
 
     q: Rows
     k: Rows
     cu_q: torch.Tensor
     cu_k: torch.Tensor
-    left: int
-    right: int
+    window: Window
 
     @property
     def max_seqlen(self) -> tuple[int, int]:
@@ -83,11 +80,10 @@ class Tile:
         return self.q.count, self.k.count
 
 
-def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, left: int, right: int,
-         device) -> list[Tile]:
+def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, window: Window, device) -> list[Tile]:
     """The tiles of rank ``rank``'s queries against rank ``source``'s keys, in a fixed order.
 
-    ``lengths``: the global sequence lengths; ``(left, right)`` the normalized global window.
+    ``lengths``: the global sequence lengths; ``window`` the global one, folded.
     A run of consecutive sequences of one length (a dense batch is one run) shares its geometry
     and spacing, so each of its tiles is one packed call on strided views.
     """
@@ -107,57 +103,59 @@ def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, left: 
             for r0 in range(0, c, max(1, TILE_ROWS // n)):
                 m = min(max(1, TILE_ROWS // n), c - r0)
                 for y, b in enumerate(chunk_ids(source, P, layout)):
-                    cut = masks.sub_block(a * c + r0, m, b * c, c, left, right)
+                    cut = masks.sub_block(a * c + r0, m, b * c, c, *window)
                     if cut is None:
                         continue
                     rows, keys, l2, r2 = cut
                     tiles.append(Tile(Rows(first + x * c + r0, length // P, n, rows),
                                       Rows(first + y * c, length // P, n, keys),
-                                      (steps * rows).to(device), (steps * keys).to(device), l2, r2))
+                                      (steps * rows).to(device), (steps * keys).to(device), Window(l2, r2)))
     return tiles
 
 
-def _heads_last(w: torch.Tensor) -> torch.Tensor:
-    """``[HQ, n, R]`` -> ``[n, R, HQ, 1]``, to scale ``[n, R, HQ, D]`` rows."""
-    return w.permute(1, 2, 0)[..., None]
-
-
-def _merge(o, lse, rows: Rows, o_b, lse_b) -> None:
-    """Fold one tile's ``(o_b [n R, HQ, D], lse_b [HQ, n R])`` into its rows of ``(o, lse)``, in place."""
-    o_v, lse_v = rows.of(o), rows.stat(lse)
-    lse_b = lse_b.view(lse_b.shape[0], rows.n, rows.count)
-    new = torch.logaddexp(lse_v, lse_b)
-    o_v.mul_(_heads_last(sink.key_mass(lse_v, new)))
-    o_v.add_(o_b.view(o_v.shape).to(o.dtype).mul_(_heads_last(sink.key_mass(lse_b, new))))
-    lse_v.copy_(new)
+def _stats_rows(stats: sink.Stats, rows: Rows) -> sink.Stats:
+    return sink.Stats(rows.stat(stats.m), rows.stat(stats.log_l))
 
 
 def _tile_inputs(tile: Tile, q, k, v):
     return tile.q.packed(q), tile.k.packed(k), tile.k.packed(v)
 
 
+def _tile_stats(tile: Tile, *stats):
+    """The tile's rows of ``[HQ, T]`` statistics as contiguous ``[HQ, n*R]`` tensors."""
+    return [tile.q.stat(s).reshape(s.shape[0], -1).contiguous() for s in stats]
+
+
 class _Ring(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group: Group, plans, scale: float, backend: str):
-        impl, out_dtype = backends.load(backend), backends.describe(backend).out_dtype
+    def forward(ctx, q, k, v, sinks, group: Group, plans, call: Call):
+        caps = backends.describe(call.backend)
         q = q.contiguous()
         T, HQ, D = q.shape
-        o = torch.zeros((T, HQ, D), dtype=out_dtype, device=q.device)
-        lse = torch.full((HQ, T), float("-inf"), dtype=torch.float32, device=q.device)
+        o = torch.zeros((T, HQ, D), dtype=caps.out_dtype, device=q.device)
+        stats = sink.Stats(torch.full((HQ, T), float("-inf"), dtype=caps.out_dtype, device=q.device),
+                           torch.full((HQ, T), float("-inf"), dtype=caps.out_dtype, device=q.device))
         kv = [k.contiguous(), v.contiguous()]
         for step in range(group.size):
             flight = Exchange(kv, group) if step < group.size - 1 else None
             for tile in plans[step]:
-                o_b, lse_b, _ = impl.forward(*_tile_inputs(tile, q, *kv), None, tile.cu_q, tile.cu_k, scale,
-                                             tile.left, tile.right, max_seqlen=tile.max_seqlen)
-                _merge(o, lse, tile.q, o_b, lse_b)
+                o_b, _, m_b, l_b = ops.attention(*_tile_inputs(tile, q, *kv), None, tile.cu_q, tile.cu_k,
+                                                 *tile.max_seqlen, call.softmax_scale, tile.window, call.backend,
+                                                 needs_grad=True, check_cu_seqlens=False)
+                rows = tile.q
+                tile_stats = sink.Stats(*(x.view(HQ, rows.n, rows.count) for x in (m_b, l_b)))
+                merged, new = sink.merge(rows.of(o), _stats_rows(stats, rows), o_b.view(rows.of(o).shape),
+                                         tile_stats, caps.base2)
+                rows.of(o).copy_(merged)
+                for acc, value in zip(_stats_rows(stats, rows), new):
+                    acc.copy_(value)
             if flight is not None:
                 kv = flight.wait()
-        lse_f = sink.lse_with_sink(lse, sinks)
-        o *= sink.key_mass(lse, lse_f).t()[..., None]
-        ctx.save_for_backward(q, k, v, sinks, o, lse_f)
-        ctx.setup = (group, plans, scale, backend)
-        return o.to(q.dtype), lse_f
+        o, stats = sink.with_sink(o, stats, sinks, caps.base2)
+        lse = sink.lse_of(stats, caps.base2).float()
+        ctx.save_for_backward(q, k, v, sinks, o, *stats)
+        ctx.setup = (group, plans, call)
+        return o.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -167,27 +165,20 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def gradients(ctx, dout, dlse):
-        q, k, v, sinks, o, lse = ctx.saved_tensors
-        group, plans, scale, backend = ctx.setup
-        impl = backends.load(backend)
-        dout = dout.contiguous() if dout is not None else torch.zeros_like(q)
-        delta = sink.row_delta(dout, o, dlse).contiguous()
+        q, k, v, sinks, o, m, log_l = ctx.saved_tensors
+        group, plans, call = ctx.setup
+        dout = dout.to(q.dtype).contiguous() if dout is not None else torch.zeros_like(q)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv, dkv, dkv_flight = [k.contiguous(), v.contiguous()], None, None
         for step in range(group.size):
             flight = Exchange(kv, group) if step < group.size - 1 else None
             mine = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
             for tile in plans[step]:
-                qb, kb, vb = _tile_inputs(tile, q, *kv)
-                o_b, lse_b, extra = impl.forward(qb, kb, vb, None, tile.cu_q, tile.cu_k, scale, tile.left, tile.right,
-                                                 max_seqlen=tile.max_seqlen)
-                do_full = tile.q.packed(dout)
-                w = sink.key_mass(lse_b.view(-1, tile.q.n, tile.q.count), tile.q.stat(lse))   # [HQ, n, R]
-                do_b = do_full.view(tile.q.n, tile.q.count, *do_full.shape[1:]).float() * _heads_last(w)
-                dlse_b = w * (sink.row_delta(do_full, o_b, None).view(w.shape) - tile.q.stat(delta))
-                dq_b, dk_b, dv_b, _ = impl.backward(do_b.view(do_full.shape).to(q.dtype), dlse_b.reshape(lse_b.shape),
-                                                    qb, kb, vb, None, o_b, lse_b, tile.cu_q, tile.cu_k, scale,
-                                                    tile.left, tile.right, extra, max_seqlen=tile.max_seqlen)
+                dlse_b = _tile_stats(tile, dlse)[0] if dlse is not None else None
+                dq_b, dk_b, dv_b = ops.gradients(tile.q.packed(dout), dlse_b, *_tile_inputs(tile, q, *kv),
+                                                 tile.q.packed(o), *_tile_stats(tile, m, log_l), tile.cu_q,
+                                                 tile.cu_k, *tile.max_seqlen, call.softmax_scale, tile.window,
+                                                 call.backend, partial=True)
                 rows_q = tile.q.of(dq)
                 rows_q += dq_b.view(rows_q.shape)
                 for acc, grad in zip(mine, (dk_b, dv_b)):
@@ -204,14 +195,14 @@ class _Ring(torch.autograd.Function):
             dkv = dkv_flight.wait()
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            dsinks = sink.dsinks_from(sinks, lse, delta)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None, None
+            delta = sink.row_delta(dout, o, dlse)
+            dsinks = sink.dsinks_from(sinks, sink.Stats(m, log_l), delta, backends.describe(call.backend).base2)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None
 
 
-def attention(q, k, v, sinks, lengths: list[int], group: Group, layout: str, scale: float, left: int, right: int,
-              backend: str):
+def attention(q, k, v, sinks, lengths: list[int], group: Group, layout: str, call: Call):
     """This rank's ``(out [T, HQ, D], lse [HQ, T])`` of self-attention over the packing ``lengths``,
     from its shards ``q [T, HQ, D]``, ``k``/``v [T, HKV, D]`` (``T = sum(lengths) / P``)."""
-    plans = [plan(lengths, group.size, layout, group.rank, (group.rank - step) % group.size, left, right, q.device)
+    plans = [plan(lengths, group.size, layout, group.rank, (group.rank - step) % group.size, call.window, q.device)
              for step in range(group.size)]
-    return _Ring.apply(q, k, v, sinks, group, plans, scale, backend)
+    return _Ring.apply(q, k, v, sinks, group, plans, call)

@@ -1,7 +1,7 @@
 """``method="ulysses"``: trade sequence shards for head shards, attend locally, trade back.
 
 Rank ``p`` of P gets query heads ``[p HQ/P, (p+1) HQ/P)`` (and their sinks) of the full
-sequences by one all-to-all, runs one ``sinkattn.sink_attn_varlen_func`` on them, and an
+sequences by one all-to-all, runs one call of the op on them (the call settled already), and an
 all-to-all returns each rank its own tokens of every head. KV heads follow their query heads:
 ``HKV/P`` each when ``P`` divides ``HKV``; when ``HKV < P`` (``HKV`` dividing ``P``) every rank
 gets the one KV head of its query heads, each KV head sent to ``P/HKV`` ranks, and its gradients
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import interface
+from .. import ops
+from ..call import Call
 from .group import Group
 from .layout import rank_order
 
@@ -53,8 +54,7 @@ def _kv_per_rank(x: torch.Tensor, P: int) -> torch.Tensor:
     return x.unsqueeze(2).expand(T, HKV, P // HKV, D).reshape(T, P, D)
 
 
-def attention(q, k, v, sinks, lengths: list[int], group: Group, layout: str, scale: float, left: int, right: int,
-              backend: str):
+def attention(q, k, v, sinks, lengths: list[int], group: Group, layout: str, call: Call):
     """Same contract as ``ring.attention``."""
     P, rank = group.size, group.rank
     T, HQ, D = q.shape
@@ -74,7 +74,6 @@ def attention(q, k, v, sinks, lengths: list[int], group: Group, layout: str, sca
     heads = slice(rank * HQ // P, (rank + 1) * HQ // P)
     cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32).to(q.device)
     longest = max(lengths, default=0)
-    out, lse = interface.sink_attn_varlen_func(
-        qh, kh, vh, cu, cu, longest, longest, sinks=sinks[heads] if sinks is not None else None,
-        softmax_scale=scale, window_size=(left, right), return_lse=True, backend=backend)
-    return to_tokens(out), to_tokens(lse.t().unsqueeze(-1)).squeeze(-1).t()
+    o, lse, *_ = ops.attention(qh, kh, vh, sinks[heads] if sinks is not None else None, cu, cu, longest, longest,
+                               call.softmax_scale, call.window, call.backend, call.needs_grad, check_cu_seqlens=False)
+    return to_tokens(o.to(q.dtype)), to_tokens(lse.t().unsqueeze(-1)).squeeze(-1).t()

@@ -31,6 +31,7 @@ class Case:
     sink_value: float | None = None         # a constant sink for every head instead
     qk_uniform: float | None = None         # q, k ~ U(-a, a) instead of randn
     input_affine: tuple[float, float] = (1.0, 0.0)   # q, k, v -> x * a + b
+    score_bound: float | None = None        # q, k scaled by one factor so that |scale| max|q| max|k| is this
     zero_do: bool = False
     lse_grad: bool = False                  # also back-propagate a random dlse
     spacing_limited: tuple[str, ...] = ()   # tensors whose golden is too large for max_abs_limit in fp32
@@ -51,6 +52,8 @@ class Case:
             mask += f"-w{self.window_size[0]}_{self.window_size[1]}"
         parts = [self.level, f"hq{self.HQ}-g{self.G}", lens, f"d{self.D}", mask,
                  str(self.dtype).removeprefix("torch.")]
+        if self.score_bound is not None:
+            parts.append(f"bound{self.score_bound:g}")
         if self.note:
             parts.append(self.note)
         return "-".join(parts)
@@ -82,6 +85,10 @@ class Case:
         v = randn(Tk, self.HKV, self.D)
         scale, shift = self.input_affine
         q, k, v = (x * scale + shift for x in (q, k, v))
+        if self.score_bound is not None and Tq and Tk:
+            bound = self.D ** -0.5 * float(q.norm(dim=-1).max() * k.norm(dim=-1).max())
+            factor = (self.score_bound / bound) ** 0.5
+            q, k = q * factor, k * factor
         sinks = None
         if self.sink_value is not None:
             sinks = torch.full((self.HQ,), self.sink_value)

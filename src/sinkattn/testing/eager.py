@@ -23,7 +23,7 @@ def sink_attention_dense(q, k, v, sinks=None, softmax_scale=None, causal=False, 
     B, Sq, HQ, D = q.shape
     Sk, HKV = k.shape[1], k.shape[2]
     scale = defaults.softmax_scale(D, softmax_scale)
-    left, right = masks.normalize_window(causal, window_size)
+    left, right = masks.Window.of(causal, window_size)
     qh = q.transpose(1, 2)                                                     # [B, HQ, Sq, D]
     kh = k.transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)                 # [B, HQ, Sk, D]
     vh = v.transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)

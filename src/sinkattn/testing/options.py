@@ -168,6 +168,6 @@ def backend_for(backend: str, device_type: str, dtypes_and_dims, needs_grad: boo
     reason: a backend not installed, a device it does not take (with what to do, e.g.
     ``TRITON_INTERPRET=1``), a dtype or head dim. Raises NotImplementedError or ValueError.
     """
-    chosen = {backends.choose(backend, backends.Call(device_type, dt, head_dim, needs_grad))
+    chosen = {backends.choose(backend, backends.Request(device_type, dt, head_dim, needs_grad))
               for dt, head_dim in set(dtypes_and_dims)}
     return "/".join(sorted(chosen))

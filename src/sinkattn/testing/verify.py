@@ -14,7 +14,7 @@ import torch
 from .. import defaults, reference
 from ..backends import buffers
 from ..interface import sink_attn_varlen_func
-from ..masks import normalize_window
+from ..masks import Window
 from . import eager, precision
 from .cases import Case, Inputs
 
@@ -78,7 +78,7 @@ def _as_fp32(x: Inputs) -> Inputs:
 
 def golden(case: Case, x: Inputs):
     """``[o, lse, dq, dk, dv, (dsinks)]`` in float64 from the reference."""
-    left, right = normalize_window(case.causal, case.window_size)
+    left, right = Window.of(case.causal, case.window_size)
     scale = defaults.softmax_scale(case.D)
     args = (x.q, x.k, x.v, x.sinks, x.cu_seqlens_q, x.cu_seqlens_k, scale, left, right)
     o, lse = reference.forward(*args)

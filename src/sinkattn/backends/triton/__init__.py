@@ -2,13 +2,14 @@
 ``TRITON_INTERPRET=1``, which is how CI runs them).
 
 Forward: one program per GQA-packed tile (``BM // GH`` positions of one sequence times ``GH``
-query heads of one KV head, each K/V tile loaded once for all of them), the sink as the starting
-maximum of the online softmax, lse out. Backward: a Delta kernel; a dK/dV kernel per (key block,
-sequence, KV head) looping over the group's query heads and the query blocks that see the keys;
-a dQ kernel per packed tile as in the forward; dsinks reduced per head on the host in one fixed
-order. When scores may be large (``scores.may_have_large_scores``) the dQ kernel sums Delta
-itself from the products the gradients use (``EXACT_DELTA``). Key blocks every row sees whole run
-without the mask; programs start in longest-processing-time order (``kernels`` says how).
+query heads of one KV head, each K/V tile loaded once for all of them), the online softmax over the
+keys with its statistics in base 2 (the sink joins afterwards, ``sinkattn.sink``). Backward: a
+Delta kernel; a dK/dV kernel per (key block, sequence, KV head) looping over the group's query
+heads and the query blocks that see the keys; a dQ kernel per packed tile as in the forward. When
+scores may be large (``scores.may_have_large_scores``) and the call holds every key of its rows,
+the dQ kernel sums Delta itself from the products the gradients use (``EXACT_DELTA``).
+Key blocks every row sees whole run without the mask; programs start in longest-processing-time
+order (``kernels`` says how).
 No atomics: results are bitwise reproducible. Tiles per GPU generation: ``config``; the
 launches themselves: ``launch``.
 
@@ -26,7 +27,7 @@ import torch
 
 from ... import sink
 from .. import buffers
-from ..capabilities import Capabilities, Saved
+from ..capabilities import Capabilities
 from ..scores import check_fp32_range, may_have_large_scores, score_bound
 from . import config, launch
 
@@ -66,7 +67,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=256,
     device_hint="set TRITON_INTERPRET=1 before importing sinkattn to run its kernels on CPU tensors (slowly)",
-    saved=(Saved("m2", ("HQ", "Tq"), torch.float32), Saved("log2_l", ("HQ", "Tq"), torch.float32)),
+    base2=True,
 )
 
 
@@ -75,10 +76,9 @@ def _upcast(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-def _sinks_or_minus_inf(sinks, HQ, device):
-    if sinks is None:
-        return torch.full((HQ,), float("-inf"), dtype=torch.float32, device=device)
-    return sinks.float().contiguous()
+def _NO_SINKS(HQ: int, device) -> torch.Tensor:
+    """The kernels' sink vector when the sink joins later (``sinkattn.sink``): ``-inf``, no sink term."""
+    return torch.full((HQ,), float("-inf"), dtype=torch.float32, device=device)
 
 
 def _kernel_layout(*tensors) -> list:
@@ -100,22 +100,19 @@ def _unpadded(t: torch.Tensor, D: int) -> torch.Tensor:
     return t if t.shape[-1] == D else t[..., :D].contiguous()
 
 
-def _max_lens(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-              max_seqlen) -> tuple[int, int]:
-    """Bounds of the longest query and key sequence, which size the launch grids: from ``max_seqlen``
-    when given (a loose bound is capped at the token count, so the grid never outgrows the batch),
-    else read from ``cu_seqlens`` (a copy to the host); at least 1."""
-    if max_seqlen is None:
-        max_seqlen = [int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0 for cu in (cu_seqlens_q, cu_seqlens_k)]
-    return max(min(int(max_seqlen[0]), q.shape[0]), 1), max(min(int(max_seqlen[1]), k.shape[0]), 1)
+def _max_lens(q: torch.Tensor, k: torch.Tensor, batch) -> tuple[int, int]:
+    """Bounds of the longest query and key sequence, which size the launch grids: ``batch.max_seqlen_*``
+    capped at the token count (so the grid never outgrows the batch); at least 1."""
+    return max(min(int(batch.max_seqlen_q), q.shape[0]), 1), max(min(int(batch.max_seqlen_k), k.shape[0]), 1)
 
 
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_seqlen=None):
-    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(out [Tq, HQ, D] fp32, lse [HQ, Tq] fp32,
-    (m2, log2_l))``, the last two the row maximum and log2 of the denominator, base 2, for the backward."""
+def forward(q, k, v, batch, window, softmax_scale, needs_grad):
+    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o [Tq, HQ, D] fp32, Stats(m2, log2_l) [HQ, Tq])``,
+    the softmax over keys with its statistics in base 2 (the kernels' row maximum of ``s * log2(e)``)."""
     check_fp32_range(score_bound(q, k, softmax_scale), q, k)       # the kernels' scores are fp32
     D = q.shape[2]
-    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+    cu_seqlens_q, cu_seqlens_k = batch.cu_seqlens_q, batch.cu_seqlens_k
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
     Tq, HQ, BLOCK_D = q.shape
     N = cu_seqlens_q.numel() - 1
     out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
@@ -123,20 +120,21 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, rig
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
     log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
     if N > 0 and Tq > 0:
-        max_q = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)[0]
-        launch.forward(q, k, v, _sinks_or_minus_inf(sinks, HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q,
-                       cu_seqlens_k, softmax_scale, left, right, max_q, config.chip_for(q.device),
-                       _compensated(q.dtype), _upcast(q.dtype))()
-    return _unpadded(out, D), lse, (m2, log2_l)
+        max_q = _max_lens(q, k, batch)[0]
+        launch.forward(q, k, v, _NO_SINKS(HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
+                       softmax_scale, *window, max_q, config.chip_for(q.device), _compensated(q.dtype),
+                       _upcast(q.dtype))()
+    log2_l = torch.where(m2 == float("inf"), float("inf"), log2_l)    # a +inf score: lse = +inf (l is NaN)
+    return _unpadded(out, D), sink.Stats(m2, log2_l)
 
 
-def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right,
-             extra, max_seqlen=None):
-    """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``dsinks [HQ]`` in the sinks' dtype (or None)."""
+def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial):
+    """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``delta [HQ, Tq]``, from the final ``o`` and base-2
+    ``stats``. Unless ``partial``, large scores have the dQ kernel sum Delta from its own products."""
     D = q.shape[2]
-    do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k = _kernel_layout(
-        do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k)
-    m2, log2_l = _kernel_layout(*extra)
+    do, dlse, q, k, v, o, cu_seqlens_q, cu_seqlens_k = _kernel_layout(
+        do, dlse, q, k, v, o, batch.cu_seqlens_q, batch.cu_seqlens_k)
+    m2, log2_l = _kernel_layout(*stats)
     Tq, HQ, _ = q.shape
     Tk = k.shape[0]
     N = cu_seqlens_q.numel() - 1
@@ -146,17 +144,16 @@ def backward(do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, sof
     delta = buffers.new((HQ, Tq), torch.float32, q.device)
     if dlse is not None:
         dlse = dlse.float()
-    exact_delta = may_have_large_scores(q, k, softmax_scale)
+    exact_delta = not partial and may_have_large_scores(q, k, softmax_scale)
     chip, compensated, upcast = config.chip_for(q.device), _compensated(q.dtype), _upcast(q.dtype)
     if Tq > 0 and not exact_delta:
-        launch.delta(out, do, dlse, delta, chip)()
-    max_q, max_k = _max_lens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen)
+        launch.delta(o, do, dlse, delta, chip)()
+    max_q, max_k = _max_lens(q, k, batch)
     tensors = (q, k, v, do, m2, log2_l)
     if N > 0 and Tq > 0:     # first: with exact_delta it writes the Delta that dK/dV reads
-        launch.dq(*tensors, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_q, chip,
+        launch.dq(*tensors, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_q, chip,
                   compensated, upcast, exact_delta)()
     if N > 0 and Tk > 0:
-        launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_k, chip,
+        launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_k, chip,
                     compensated, upcast)()
-    dsinks = sink.dsinks_from(sinks, lse, delta) if sinks is not None else None
-    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, D), dsinks
+    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, D), delta

@@ -1,0 +1,282 @@
+"""CPU path in tiles: blocks of query rows against chunks of their visible keys, the same tiles for
+the forward and the backward.
+
+A tile is ``R`` query positions of one run of equal-length sequences, with all ``G`` query heads of
+each KV head stacked as rows (``stack_group``: K/V chunks serve the whole group), against a chunk of
+at most ``BN`` of the keys those rows see. Per row block, over its chunks in order:
+
+    S  = (scale Q_blk) K_c^T                     [N, HKV, G*R, C]   (-inf where not visible)
+    forward (online):  m = max(m, max_j S),  l = l e^(m_old - m) + sum_j e^(S - m),
+                       acc = acc e^(m_old - m) + e^(S - m) V_c
+                       -> o_keys = acc / l, Stats(m, log l)           (the softmax over keys, no sink)
+    backward, with the final statistics (sink and every key of the row included) and Delta:
+                       P = e^(S - m) / l,  dP = dO V_c^T,  dS = P (dP - Delta)
+                       dq += dS K_c,  dk_c += dS^T (scale Q),  dv_c += P^T dO
+
+Exponentials (``_exp_shifted_``) take ``S - m`` floored at ``EXP_FLOOR``: below it ``exp`` underflows
+through fp32's subnormals, where PyTorch's CPU kernel takes a path ten times slower (most of a row
+of sharp attention, and every masked ``-inf``); the floor's ``e^-87 = 1.6e-38`` is 0 next to any
+sum of probabilities (each row has a term of ``e^0 = 1``). ``exp`` and not ``exp2``: PyTorch's ``exp``
+gives the same bits in its vector and scalar loops, ``exp2`` does not (its last elements and the
+elements at thread boundaries would change with the tensor's size and the thread count).
+
+The backward recomputes ``S`` with the very products of the forward, so ``S - m`` is exactly what
+the forward exponentiated: a row whose attention is one-hot gets ``P = 1/l`` from its own maximum,
+and scores of any size keep the precision of eager attention (there is no ``lse`` of magnitude
+``|s|`` to subtract). ``Delta = <dO, o> - dlse`` is given per row, so a tile need not hold every key
+of its rows (context parallelism calls tiles of a row's keys one at a time). dK/dV chunks are summed
+over row blocks in a fixed order. Only the tiles that a row block's visible key range meets are
+computed; a tile that every row sees whole skips the mask.
+
+Non-finite inputs (``literal``): products of a masked tile then keep a NaN or inf of ``q``, ``k`` or
+``v`` to the pairs that are visible (``nonfinite.visible_matmul``); a whole visible tile needs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import masks
+from .layout import Span, heads_first, stat_view, zero_unwritten
+from .nonfinite import visible_matmul
+
+__all__ = ["forward", "backward", "stack_group", "stacked_rows", "unstack_group", "block_forward",
+           "block_probabilities", "row_sums", "block_gradients",
+           "rows_per_block", "BN", "TILE_ELEMENTS"]
+
+BN = 256
+"""Keys per chunk."""
+TILE_ELEMENTS = 1 << 18
+"""Scores per tile (fp32: 1 MiB, a core's L2 on current x86 server parts), which sets the rows per block."""
+
+KEPT_ELEMENTS = 1 << 21
+"""Scores per row block over all its chunks: its ``P`` and ``dP`` are kept between the exact-Delta pass and
+the gradient pass (fp32: 8 MiB each); a row block that cannot be this small (16 rows against more keys)
+computes them twice."""
+
+_NEG_INF = float("-inf")
+
+
+def rows_per_block(n: int, HQ: int, keys: int) -> int:
+    """Query positions per row block, 16 to 128, a multiple of 16: a tile holds at most ``TILE_ELEMENTS``
+    scores (``n * HQ * R * min(keys, BN)``) and a row block at most ``KEPT_ELEMENTS`` (``n * HQ * R * keys``)."""
+    keys = max(keys, 1)
+    fit = min(TILE_ELEMENTS // max(1, n * HQ * min(keys, BN)), KEPT_ELEMENTS // max(1, n * HQ * keys))
+    return max(16, min(128, fit // 16 * 16))
+
+
+def stack_group(x: torch.Tensor, HKV: int) -> torch.Tensor:
+    """``[N, HQ, R, ...]`` -> ``[N, HKV, G*R, ...]``: the group's heads stacked as rows (a copy unless contiguous)."""
+    N, HQ, R = x.shape[:3]
+    return x.reshape(N, HKV, (HQ // HKV) * R, *x.shape[3:])
+
+
+def stacked_rows(x: torch.Tensor, HKV: int, scale: float | None = None) -> torch.Tensor:
+    """A new contiguous ``[N, HKV, G*R, D]`` tensor of ``x [N, HQ, R, D]`` (any strides), times ``scale``
+    if given, in one pass."""
+    N, HQ, R, D = x.shape
+    out = x.new_empty(N, HKV, (HQ // HKV) * R, D)
+    if scale is None:
+        out.view(N, HQ, R, D).copy_(x)
+    else:
+        torch.mul(x, scale, out=out.view(N, HQ, R, D))
+    return out
+
+
+def unstack_group(x: torch.Tensor, HQ: int) -> torch.Tensor:
+    """``[N, HKV, G*R, ...]`` -> ``[N, HQ, R, ...]``."""
+    N, HKV, GR = x.shape[:3]
+    return x.reshape(N, HQ, GR // (HQ // HKV), *x.shape[3:])
+
+
+def _scores(qs: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``S [N, HKV, M, C]`` fp32 from the scaled rows ``qs [N, HKV, M, D]`` and keys ``kb [N, HKV, C, D]``;
+    ``-inf`` where ``mask`` (bool, broadcastable) is False."""
+    s = torch.matmul(qs, kb.transpose(-1, -2))
+    if mask is not None:
+        s.masked_fill_(~mask, _NEG_INF)
+    return s
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """The shift subtracted from a row's scores: its maximum, or 0 where that is not finite (no key,
+    an infinite or NaN score), so that ``-inf - -inf`` and ``inf - inf`` are never formed."""
+    return torch.where(torch.isfinite(m), m, 0.0)
+
+
+EXP_FLOOR = -87.0
+"""The least exponent taken (``e^-87``, a normal fp32 number): see the module doc."""
+
+
+def _exp_shifted_(s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``e^(S - c)`` in place, the exponent floored at ``EXP_FLOOR`` (NaN stays NaN)."""
+    return s.sub_(c).clamp_(min=EXP_FLOOR).exp_()
+
+
+def _pv(p, vb, mask, literal):
+    return visible_matmul(p, vb, mask) if literal and mask is not None else torch.matmul(p, vb)
+
+
+class _Online:
+    """The running softmax of one row block over its chunks: true maximum ``m``, the shift ``c`` in
+    use, denominator ``l`` and unnormalised ``acc`` (all ``[N, HKV, M, 1]`` but ``acc``)."""
+
+    def __init__(self, s: torch.Tensor, vb, mask, literal: bool):
+        self.m = s.amax(-1, keepdim=True)
+        self.c = _finite(self.m)
+        p = _exp_shifted_(s, self.c)
+        self.l = p.sum(-1, keepdim=True)
+        self.acc = _pv(p, vb, mask, literal)
+
+    def add(self, s: torch.Tensor, vb, mask, literal: bool) -> None:
+        m = torch.maximum(self.m, s.amax(-1, keepdim=True))
+        c = _finite(m)
+        alpha = torch.where(self.m == _NEG_INF, 0.0, torch.exp(self.c - c))   # nothing to rescale before a key
+        p = _exp_shifted_(s, c)
+        self.l = self.l.mul_(alpha).add_(p.sum(-1, keepdim=True))
+        self.acc = self.acc.mul_(alpha).add_(_pv(p, vb, mask, literal))
+        self.m, self.c = m, c
+
+    def result(self):
+        """``(o_keys, m, log_l)``: ``o = 0``, ``log_l = -inf`` on rows without keys (``l = 0``); a finite
+        maximum gives ``l >= 1``."""
+        return self.acc.div_(self.l.clamp(min=1.0)), self.c, torch.log(self.l)
+
+
+def block_forward(qs, chunks):
+    """The softmax of rows ``qs [N, HKV, M, D]`` (scaled) over the chunks ``(kb, vb, mask, literal)`` in
+    order -> ``(o_keys [N, HKV, M, D], m [N, HKV, M, 1], log_l [N, HKV, M, 1])``."""
+    state = None
+    for kb, vb, mask, literal in chunks:
+        s = _scores(qs, kb, mask)
+        if state is None:
+            state = _Online(s, vb, mask, literal)
+        else:
+            state.add(s, vb, mask, literal)
+    return state.result()
+
+
+def block_probabilities(qs, kb, vb, dos, m, inv_l, mask, literal: bool = False):
+    """One tile's ``(P, dP)`` ``[N, HKV, M, C]`` from the final statistics: ``P = e^(S - m) / l``, ``dP = dO V^T``.
+
+    ``qs``/``dos [N, HKV, M, D]`` (``qs`` scaled), ``kb``/``vb [N, HKV, C, D]``, ``m``/``inv_l [N, HKV, M, 1]``
+    (``inv_l = 1 / l``), ``mask`` bool broadcastable to ``[N, HKV, M, C]`` or None. ``literal``: both are 0
+    off the visible pairs, so that a NaN or inf there reaches no sum."""
+    p = _exp_shifted_(_scores(qs, kb, mask), m).mul_(inv_l)
+    dp = torch.matmul(dos, vb.transpose(-1, -2))
+    if literal and mask is not None:
+        p.masked_fill_(~mask, 0.0)
+        dp.masked_fill_(~mask, 0.0)
+    return p, dp
+
+
+def row_sums(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    """``[N, HKV, M, 1]``: ``sum_j P_ij dP_ij`` over one tile's keys (``Delta`` from the products themselves)."""
+    return (p * dp).sum(-1, keepdim=True)
+
+
+def block_gradients(p, dp, delta, qs, kb, dos, mask, literal: bool = False):
+    """One tile's gradient terms ``(dq_part, dk_part, dv_part)``: ``dS = P (dP - Delta)``, ``dq_part = dS K``
+    (unscaled), ``dk_part = dS^T qs``, ``dv_part = P^T dO``; ``dp`` is overwritten by ``dS``."""
+    ds = dp.sub_(delta).mul_(p)
+    if literal and mask is not None:
+        ds.masked_fill_(~mask, 0.0)
+        mask_t = mask.transpose(-1, -2)
+        return (visible_matmul(ds, kb, mask), visible_matmul(ds.transpose(-1, -2), qs, mask_t),
+                visible_matmul(p.transpose(-1, -2), dos, mask_t))
+    return torch.matmul(ds, kb), torch.matmul(ds.transpose(-1, -2), qs), torch.matmul(p.transpose(-1, -2), dos)
+
+
+def _tiles(n: int, HQ: int, G: int, Lq: int, Lk: int, left: int, right: int):
+    """Per row block ``(r0, r1, [(c0, c1, mask), ...])``: its chunks of visible keys, each with its
+    mask ``[G*R, C]`` (stacked rows) or None when every row sees the whole chunk."""
+    R = rows_per_block(n, HQ, Lk)
+    for r0, r1, k0, k1, _ in masks.row_blocks(Lq, Lk, left, right, R):
+        chunks = []
+        for c0 in range(k0, k1, BN):
+            c1 = min(c0 + BN, k1)
+            mask = None
+            if not masks.block_fully_visible(r0, r1, c0, c1, Lq, Lk, left, right):
+                mask = masks.visible(torch.arange(r0, r1), torch.arange(c0, c1), Lq, Lk, left, right).repeat(G, 1)
+            chunks.append((c0, c1, mask))
+        yield r0, r1, chunks
+
+
+def _run_views(q, k, v, run):
+    """One run heads first: a view of ``q`` and contiguous copies of ``k``, ``v`` (``[n, H, L, D]``)."""
+    qh = heads_first(q, run.tq, run.n, run.Lq)
+    return qh, heads_first(k, run.tk, run.n, run.Lk).contiguous(), heads_first(v, run.tk, run.n, run.Lk).contiguous()
+
+
+def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window, literal: bool = False):
+    """Fill fp32 ``out [Tq, HQ, D]`` (softmax over keys), ``m``/``log_l [HQ, Tq]`` on the rows of ``runs``
+    from fp32 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``; rows without keys get ``o = 0``, ``log_l = -inf``."""
+    HQ, HKV = q.shape[1], k.shape[1]
+    G = HQ // HKV
+    for run in runs:
+        qh, kh, vh = _run_views(q, k, v, run)
+        og = heads_first(out, run.tq, run.n, run.Lq)
+        mg, lg = stat_view(m, run.tq, run.n, run.Lq), stat_view(log_l, run.tq, run.n, run.Lq)
+        rows = Span()
+        for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, *window):
+            qs = stacked_rows(qh[:, :, r0:r1], HKV, softmax_scale)
+            o, mb, lb = block_forward(qs, ((kh[:, :, c0:c1], vh[:, :, c0:c1], mask, literal)
+                                           for c0, c1, mask in chunks))
+            rows.take(r0, r1)
+            og[:, :, r0:r1] = unstack_group(o, HQ)
+            mg[:, :, r0:r1] = unstack_group(mb.squeeze(-1), HQ)
+            lg[:, :, r0:r1] = unstack_group(lb.squeeze(-1), HQ)
+        zero_unwritten(rows, run.Lq, og, mg)
+        zero_unwritten(rows, run.Lq, lg, value=_NEG_INF)
+
+
+def backward(do, q, k, v, m, inv_l, delta, dlse, runs, dq, dk, dv, softmax_scale: float, window, literal: bool = False,
+             exact: bool = False):
+    """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of ``runs`` from fp32 ``do [Tq, HQ, D]``, the final
+    statistics ``m``, ``inv_l = 1 / l`` and ``delta = <dO, o> - dlse``, all ``[HQ, Tq]``.
+
+    ``exact`` (the call holds every key of its rows): ``Delta = sum_j P dP - dlse`` instead, summed from the
+    very products the gradients use (a first pass over the chunks, whose ``P``, ``dP`` the gradient pass
+    reuses when the row block holds at most ``KEPT_ELEMENTS``), and written into ``delta``. ``dS`` then sums
+    to exactly what the products give, as eager attention's softmax backward does: the rounding of
+    ``<dO, o>`` against ``dP`` would otherwise reach ``dq`` and ``dk`` times the norm of the keys (with
+    sharp attention it is all of ``dS``)."""
+    HQ, HKV = q.shape[1], k.shape[1]
+    G = HQ // HKV
+    for run in runs:
+        qh, kh, vh = _run_views(q, k, v, run)
+        doh, dqg = heads_first(do, run.tq, run.n, run.Lq), heads_first(dq, run.tq, run.n, run.Lq)
+        m_r, inv_l_r, delta_r = (stat_view(s, run.tq, run.n, run.Lq) for s in (m, inv_l, delta))
+        dlse_r = stat_view(dlse, run.tq, run.n, run.Lq) if dlse is not None else None
+        dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
+        rows = Span()
+        for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, *window):
+            qs = stacked_rows(qh[:, :, r0:r1], HKV, softmax_scale)
+            dos = stacked_rows(doh[:, :, r0:r1], HKV)
+            mb, lb = (stack_group(s[:, :, r0:r1, None], HKV) for s in (m_r, inv_l_r))
+            tiles = [(kh[:, :, c0:c1], vh[:, :, c0:c1], mask, c0, c1) for c0, c1, mask in chunks]
+            kept = None
+            if exact:
+                kept, sums = [], None
+                cache = qs.shape[:3].numel() * sum(t[0].shape[2] for t in tiles) <= KEPT_ELEMENTS
+                for kb, vb, mask, _, _ in tiles:
+                    pdp = block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal)
+                    sums = row_sums(*pdp) if sums is None else sums.add_(row_sums(*pdp))
+                    kept.append(pdp if cache else None)
+                db = sums if dlse_r is None else sums.sub_(stack_group(dlse_r[:, :, r0:r1, None], HKV))
+                delta_r[:, :, r0:r1] = unstack_group(db.squeeze(-1), HQ)
+            else:
+                db = stack_group(delta_r[:, :, r0:r1, None], HKV)
+            dq_s = None
+            for i, (kb, vb, mask, c0, c1) in enumerate(tiles):
+                pdp = kept[i] if kept is not None and kept[i] is not None else None
+                p, dp = pdp if pdp is not None else block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal)
+                dq_c, dk_c, dv_c = block_gradients(p, dp, db, qs, kb, dos, mask, literal)
+                dq_s = dq_c if dq_s is None else dq_s.add_(dq_c)
+                dkh[:, :, c0:c1] += dk_c
+                dvh[:, :, c0:c1] += dv_c
+            rows.take(r0, r1)
+            dqg[:, :, r0:r1] = unstack_group(dq_s.mul_(softmax_scale), HQ)
+        zero_unwritten(rows, run.Lq, dqg)
+        heads_first(dk, run.tk, run.n, run.Lk).copy_(dkh)
+        heads_first(dv, run.tk, run.n, run.Lk).copy_(dvh)
