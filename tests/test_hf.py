@@ -381,6 +381,28 @@ def test_key_mask_refuses_padding_inside_a_row_with_a_window_eager_and_traced():
     torch.library.opcheck(torch.ops.sinkattn.hf_padding_on_one_side.default, (right,))
 
 
+def test_full_attention_model_with_padding_inside_a_row_equals_eager(pair):
+    """Every layer full attention: only which keys are real matters, so padding between real tokens is
+    computed exactly (logits and every gradient, eager and traced); the alternating model, whose
+    sliding layers count the window in real tokens, still refuses it."""
+    cfg = gpt_oss.config(layer_types=["full_attention"] * 4)          # config.sliding_window stays 8
+    eager, ours = gpt_oss.model(cfg), gpt_oss.model(cfg, attn_implementation=NAME)
+    ids = torch.randint(1, 128, (3, 20))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[0, 4:9], mask[1, 12:], mask[2, :3], mask[2, 10:12] = 0, 0, 0, 0
+    ids[mask == 0] = 0
+    call = (dict(input_ids=ids, attention_mask=mask), mask.bool())
+    w = weights_for(int(mask.sum()))
+    expected = run(eager, w, call)
+    assert_close(expected, run(ours, w, call), "full attention, padding inside rows")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        traced = torch.compile(ours, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask).logits
+    assert rel(traced[mask.bool()], expected[0]) <= LOGIT_RTOL
+    with pytest.raises(ValueError, match="padding inside a row"):
+        pair[1](input_ids=ids, attention_mask=mask)
+
+
 def test_key_mask_with_a_static_cache_offset_tensor_eager_and_traced():
     """A StaticCache hands q_offset as a 0-d tensor. Eager, key_mask reads it: the bool mask of the n
     columns. Traced (fullgraph: no graph break at the read), it returns the int8 slot mask made by the

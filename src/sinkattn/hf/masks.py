@@ -19,7 +19,10 @@ columns. A pattern it does not recognise (custom ``or_mask_function`` / ``and_ma
 block overlays, bidirectional or chunked attention) raises instead of being dropped silently.
 
 With a sliding window, a row's real keys must be one run (padding on the left or the right):
-sinkattn counts the window in real tokens, eager attention in columns.
+sinkattn counts the window in real tokens, eager attention in columns. Full attention needs no
+such run (a query sees every real key up to it, whatever lies between), so for a model whose
+``config.layer_types`` has no ``sliding_attention`` layer the sliding mask, which gpt-oss makes
+anyway, is not checked.
 
 Under ``torch.compile`` / ``torch.export`` the function reads nothing at trace time, so a model
 call stays one graph: the mask goes to the layers as it is (all real or not), and the one-run
@@ -175,6 +178,12 @@ def _(attention_mask, q_offset, batch_size, q_length, kv_length, kv_offset, slid
     return q_offset.new_empty((batch_size, kv_length), dtype=torch.int8)
 
 
+def _has_sliding_layers(config) -> bool:
+    """Whether a layer of the model reads the sliding-window mask (True when the config does not say)."""
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
 def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   device=None, **kwargs) -> torch.Tensor | None:
@@ -186,6 +195,8 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
         if local_size is not None and window is not None and window != local_size:
             raise ValueError(f"sinkattn.hf: mask pattern has sliding window {window} but the layer asks for "
                              f"{local_size}; {_FIX} with one window")
+    if window is not None and not _has_sliding_layers(kwargs.get("config")):
+        window = None                      # gpt-oss makes the sliding mask even when no layer reads it
     if isinstance(q_offset, torch.Tensor) and torch.compiler.is_compiling():
         return static_cache_keys(attention_mask, q_offset, batch_size, q_length, kv_length, kv_offset,
                                  window is not None)
