@@ -10,10 +10,16 @@ model run without compile and checked for graph breaks:
                dynamo with the eager backend (graph breaks and recompiles are dynamo's; inductor
                would add minutes of kernel compilation); no call may reach the recompile limit
                (fail_on_recompile_limit_hit turns a silent fallback to eager into an error)
+    static     greedy decoding with a StaticCache, the compiled model called once per token (12
+               calls, past the recompile limit) with the 2-D mask of a left-padded batch and without
+               a mask: no graph break, nothing compiled after the second call (prefill, then decoding;
+               eager attention's count), tokens equal to eager attention's ``generate``
 
 Only the padded layouts may break the graph; none does today. Run as a script with the mode
 (``tests/test_hf.py`` starts it in a fresh process); prints one line per call and exits non-zero on
-the first mismatch, graph break or recompile-limit hit.
+the first mismatch, graph break or recompile-limit hit. ``static`` takes the compile backend
+(default inductor) and the attention implementation (default sinkattn; ``eager`` for the baseline):
+``python tests/hf_compile_check.py static eager eager``.
 """
 
 import os
@@ -27,7 +33,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 
 import sinkattn.hf  # noqa: E402
 from sinkattn.testing import gpt_oss  # noqa: E402
-from transformers import DataCollatorWithFlattening  # noqa: E402
+from transformers import DataCollatorWithFlattening, StaticCache  # noqa: E402
 
 NO_BREAK = ("dense", "cu_seq_lens", "position_ids")     # layouts that must trace without a graph break
 
@@ -94,13 +100,54 @@ def check(compiled, model, layout, batch, grads=False):
     print(line, flush=True)
 
 
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def decode_static(compiled, eager, ids, mask, new_tokens, label):
+    """Greedy decoding by hand through ``compiled`` with a StaticCache: prefill, then one call per token
+    (positions and mask extended as ``generate`` extends them); checked against ``eager.generate``."""
+    kw = dict(attention_mask=mask) if mask is not None else {}
+    want = eager.generate(ids, **kw, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+    cache = StaticCache(config=eager.config, max_cache_len=ids.shape[1] + new_tokens)
+    real = mask if mask is not None else torch.ones_like(ids)
+    pos = (real.cumsum(-1) - 1).clamp(min=0)
+    tokens, new_graphs, breaks = ids, [], sum(counters["graph_break"].values())
+    with torch.no_grad():
+        call = dict(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, **kw)
+        for _ in range(new_tokens):
+            before = graphs()
+            logits = compiled(**call).logits
+            new_graphs.append(graphs() - before)
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            tokens, pos = torch.cat([tokens, nxt], 1), pos[:, -1:] + 1
+            call.update(input_ids=nxt, position_ids=pos)
+            if mask is not None:
+                call["attention_mask"] = torch.cat([call["attention_mask"], torch.ones_like(nxt)], 1)
+    breaks = sum(counters["graph_break"].values()) - breaks
+    line = (f"static cache, {label}: {new_tokens} calls, graphs compiled per call {new_graphs}, "
+            f"graph breaks {breaks}, tokens equal eager generate {torch.equal(tokens, want)}")
+    assert torch.equal(tokens, want) and breaks == 0 and sum(new_graphs[2:]) == 0, line
+    print(line, flush=True)
+
+
 def main():
     mode = sys.argv[1]
     torch.manual_seed(0)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     name = sinkattn.hf.register()
+    if mode == "static" and len(sys.argv) > 3:
+        name = sys.argv[3]
     model = gpt_oss.model(gpt_oss.config(num_hidden_layers=2), attn_implementation=name)
-    if mode == "inductor":
+    if mode == "static":
+        eager = gpt_oss.model(gpt_oss.config(num_hidden_layers=2))
+        compiled = torch.compile(model, backend=sys.argv[2] if len(sys.argv) > 2 else "inductor")
+        ids = torch.randint(1, 128, (2, 10))            # longer than the window: its cache layers start full
+        mask = torch.ones(2, 10, dtype=torch.long)
+        ids[0, :2], mask[0, :2] = 0, 0
+        decode_static(compiled, eager, ids, mask, 12, "left-padded batch with its mask")
+        decode_static(compiled, eager, ids[1:], None, 12, "one row, no mask")
+    elif mode == "inductor":
         compiled = torch.compile(model)
         check(compiled, model, "padded+packed", padded_and_packed(18, 6, 10), grads=True)
     else:

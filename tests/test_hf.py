@@ -163,15 +163,18 @@ def test_greedy_generate_left_padded_past_the_window(pair, cache):
         assert rel(a, b) <= LOGIT_RTOL, f"step {step}: rel err {rel(a, b):.2e}"
 
 
-@pytest.mark.parametrize("mode", ["inductor", "loop"])
+@pytest.mark.parametrize("mode", ["inductor", "loop", "static"])
 def test_compiled_model_in_a_fresh_process(mode, tmp_path):
     """tests/hf_compile_check.py: inductor on padding + packing with gradients; a 15-call loop mixing
-    every layout and length without a graph break or reaching the recompile limit."""
+    every layout and length without a graph break or reaching the recompile limit; decoding with a
+    StaticCache, with and without a mask, compiling nothing after the second token (dynamo's eager
+    backend: breaks and recompiles are dynamo's, and inductor's kernels would add a minute)."""
     script = Path(__file__).with_name("hf_compile_check.py")
-    run = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=900,
+    args = [mode, "eager"] if mode == "static" else [mode]
+    run = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=900,
                          env={**cold_cache_env(tmp_path), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
-    assert run.stdout.count("graph breaks 0") == (1 if mode == "inductor" else 15), run.stdout
+    assert run.stdout.count("graph breaks 0") == {"inductor": 1, "loop": 15, "static": 2}[mode], run.stdout
 
 
 def test_bf16_model_error_at_most_twice_eager_bf16(pair):
@@ -376,6 +379,72 @@ def test_key_mask_refuses_padding_inside_a_row_with_a_window_eager_and_traced():
             key_mask(2, 8, 8, 0, 0, pattern, gap, local_size=4)
         assert torch.equal(key_mask(2, 8, 8, 0, 0, masking_utils.causal_mask_function, gap), gap)  # full attention
     torch.library.opcheck(torch.ops.sinkattn.hf_padding_on_one_side.default, (right,))
+
+
+def test_full_attention_model_with_padding_inside_a_row_equals_eager(pair):
+    """Every layer full attention: only which keys are real matters, so padding between real tokens is
+    computed exactly (logits and every gradient, eager and traced); the alternating model, whose
+    sliding layers count the window in real tokens, still refuses it."""
+    cfg = gpt_oss.config(layer_types=["full_attention"] * 4)          # config.sliding_window stays 8
+    eager, ours = gpt_oss.model(cfg), gpt_oss.model(cfg, attn_implementation=NAME)
+    ids = torch.randint(1, 128, (3, 20))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[0, 4:9], mask[1, 12:], mask[2, :3], mask[2, 10:12] = 0, 0, 0, 0
+    ids[mask == 0] = 0
+    call = (dict(input_ids=ids, attention_mask=mask), mask.bool())
+    w = weights_for(int(mask.sum()))
+    expected = run(eager, w, call)
+    assert_close(expected, run(ours, w, call), "full attention, padding inside rows")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        traced = torch.compile(ours, backend="eager", fullgraph=True)(input_ids=ids, attention_mask=mask).logits
+    assert rel(traced[mask.bool()], expected[0]) <= LOGIT_RTOL
+    with pytest.raises(ValueError, match="padding inside a row"):
+        pair[1](input_ids=ids, attention_mask=mask)
+
+
+def test_key_mask_with_a_static_cache_offset_tensor_eager_and_traced():
+    """A StaticCache hands q_offset as a 0-d tensor. Eager, key_mask reads it: the bool mask of the n
+    columns. Traced (fullgraph: no graph break at the read), it returns the int8 slot mask made by the
+    sinkattn::hf_static_cache_keys op, which raises eager's errors when the compiled program runs."""
+    traced = torch.compile(sinkattn.hf.key_mask, fullgraph=True, backend="eager")
+    causal, sliding = masking_utils.causal_mask_function, masking_utils.sliding_window_causal_mask_function(4)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[0, :2] = False                                  # left padding; queries: position 6, keys 0..6 of 12 slots
+    slots = torch.full((2, 12), -1, dtype=torch.int8)
+    slots[:, :7] = mask
+    assert torch.equal(sinkattn.hf.key_mask(2, 1, 12, torch.tensor(6), 0, causal, mask), mask)
+    assert torch.equal(traced(2, 1, 12, torch.tensor(6), 0, causal, mask), slots)
+    assert torch.equal(traced(2, 1, 12, torch.tensor(6), 0, sliding, mask, local_size=4), slots)
+    assert torch.equal(traced(1, 1, 12, torch.tensor(6), 0, causal, None), slots[1:])
+    gap = mask.clone()
+    gap[1, 3] = False
+    for key_mask in (sinkattn.hf.key_mask, traced):
+        with pytest.raises(ValueError, match="covers 7 positions"):
+            key_mask(2, 1, 12, torch.tensor(7), 0, causal, mask)
+        with pytest.raises(ValueError, match="cannot map this cache"):
+            key_mask(2, 1, 12, torch.tensor(12), 0, causal, None)
+        with pytest.raises(ValueError, match="padding inside a row"):
+            key_mask(2, 1, 12, torch.tensor(6), 0, sliding, gap, local_size=4)
+    torch.library.opcheck(torch.ops.sinkattn.hf_static_cache_keys.default, (mask, torch.tensor(6), 2, 1, 12, 0, False))
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_attention_forward_on_a_static_cache_slot_mask_eager_and_traced(window):
+    """The int8 slot mask (12 slots, 9 written, the queries the last 3 written) gives what the bool
+    mask of the 9 written columns gives, eager and traced with fullgraph=True."""
+    module = module_with(torch.randn(4) * 2)
+    q, k, v = torch.randn(2, 4, 3, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[0, :4] = False
+    slots = torch.full((2, 12), -1, dtype=torch.int8)
+    slots[:, :9] = real
+    kwargs = dict(s_aux=module.sinks, sliding_window=window)
+    expected = sinkattn.hf.attention_forward(module, q, k[:, :, :9], v[:, :, :9], real, **kwargs)[0]
+    traced = torch.compile(sinkattn.hf.attention_forward, fullgraph=True, backend="eager")
+    for label, fn in (("eager", sinkattn.hf.attention_forward), ("traced", traced)):
+        got = fn(module, q, k, v, slots, **kwargs)[0]
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-6, msg=lambda m, label=label: f"{label}: {m}")
 
 
 def test_refuses_attention_weights(pair):

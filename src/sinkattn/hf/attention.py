@@ -23,7 +23,9 @@ Eager mode reads the layout's lengths back once per forward pass (memoized per m
 position_ids tensor). Under ``torch.compile`` / ``torch.export`` nothing is read back: the
 layout has shapes fixed by ``B, Sq, Sk`` (``sinkattn.hf.layout.fixed``), so a dense or packed
 model call traces without a graph break; there the refusal of padding inside a row with a
-sliding window is made once per forward by ``key_mask``.
+sliding window is made once per forward by ``key_mask``. A static cache's layer then gets the
+int8 slot mask ``[B, Sk]`` (-1: a slot after the queries); its queries are the last ``Sq`` columns
+before the first -1, located on the device.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from . import layout
-from .masks import PADDING_INSIDE_A_ROW
+from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN
 
 __all__ = ["attention_forward"]
 
@@ -87,8 +89,10 @@ def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
     return out.view(B, Sq, HQ, D)
 
 
-def _real_keys(mask, k, Sq: int) -> torch.Tensor:
-    """The real-key mask ``bool [B, n]``, checked against the keys (``Sq <= n <= Sk``)."""
+def _real_keys(mask, k, Sq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The real-key mask ``bool [B, n]``, checked against the keys (``Sq <= n <= Sk``), and None; or,
+    traced, for the int8 slot mask of a static cache: ``bool [B, Sk]`` and the column after each
+    row's last query (int64 ``[B, 1]``, the slots before the first -1)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         got = f"a {mask.dim()}-D mask {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(
@@ -100,17 +104,22 @@ def _real_keys(mask, k, Sq: int) -> torch.Tensor:
     if k.shape[1] < n or n < Sq or mask.shape[0] != k.shape[0]:
         raise ValueError(f"sinkattn.hf: attention mask {tuple(mask.shape)} does not fit {Sq} queries and "
                          f"{k.shape[1]} keys per row (batch {k.shape[0]}); it must be [B, n] with Sq <= n <= Sk")
-    return mask.to(torch.bool)
+    if mask.dtype != torch.int8:
+        return mask.to(torch.bool), None
+    q_end = (mask != UNWRITTEN).sum(-1, keepdim=True)
+    if torch.compiler.is_compiling():
+        return mask > 0, q_end
+    return mask[:, :int(q_end.max())] > 0, None
 
 
-def _sequences(mask, position_ids, B: int, Sq: int, Sk: int, device) -> layout.Layout | None:
+def _sequences(mask, position_ids, B: int, Sq: int, Sk: int, device, q_end=None) -> layout.Layout | None:
     """The layout of the padding (``mask`` or None) and the packing (``position_ids`` restarting
     at 0), or None when there is neither: a dense call. Traced: the fixed-shape layout; eager:
     the exact one, one host read-back per forward pass."""
     if mask is None and (position_ids is None or Sq != Sk or Sq < 2):
         return None
     if torch.compiler.is_compiling():
-        return layout.fixed(mask, position_ids, B, Sq, Sk, device)
+        return layout.fixed(mask, position_ids, B, Sq, Sk, device, q_end)
     lay = layout.memoized(layout.exact, (mask, position_ids), B, Sq, Sk, device)
     return None if mask is None and lay.sequences == B else lay
 
@@ -122,7 +131,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     Args:
         module: the attention layer (reads ``training``, ``is_causal``, ``config.output_attentions``).
         query: ``[B, HQ, Sq, D]``; key, value: ``[B, HKV, Sk, D]``, ``Sq <= Sk``.
-        attention_mask: None or the real-key mask ``bool [B, n]`` of ``sinkattn.hf.masks.key_mask``.
+        attention_mask: None, the real-key mask ``bool [B, n]`` of ``sinkattn.hf.masks.key_mask`` or
+            its int8 slot mask ``[B, Sk]`` (a static cache, traced).
         scaling: softmax scale (default ``1/sqrt(D)``); sliding_window: ``W`` or None.
         s_aux: sinks ``[HQ]`` (any float dtype, gradient in its dtype) or None.
         backend: sinkattn backend, ``"auto"`` = cpu for CPU tensors, triton for CUDA tensors.
@@ -141,11 +151,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             raise ValueError("sinkattn.hf: got both a padding attention_mask and cu_seq_lens_q/k; packed rows carry "
                              "no padding, pass one or the other")
         return _varlen(q, k, v, flash, options), None
-    mask = None
+    mask = q_end = None
     if attention_mask is not None:
-        mask = _real_keys(attention_mask, k, Sq)
+        mask, q_end = _real_keys(attention_mask, k, Sq)
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]   # a static cache's unwritten slots follow the n columns
-    lay = _sequences(mask, kwargs.get("position_ids"), B, Sq, k.shape[1], q.device)
+    lay = _sequences(mask, kwargs.get("position_ids"), B, Sq, k.shape[1], q.device, q_end)
     if lay is not None:
         if sliding_window and not lay.contiguous:
             raise ValueError(PADDING_INSIDE_A_ROW)

@@ -109,8 +109,9 @@ def exact(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, 
 
 
 def fixed(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, Sq: int, Sk: int,
-          device=None) -> Layout:
+          device=None, q_end: torch.Tensor | None = None) -> Layout:
     """``exact``'s sequences in shapes fixed by ``B, Sq, Sk`` (see the module doc); nothing read back.
+    ``q_end`` (int64 ``[B, 1]``, default ``Sk``): the queries are columns ``q_end - Sq .. q_end - 1``.
 
     Sequence ids, for a token of row b with ``c`` sequence starts up to it (row-major, inclusive)
     and ``C_b`` starts in rows ``<= b``: a real token is in sequence ``2b + c - 1``, a padded query
@@ -122,7 +123,11 @@ def fixed(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, 
     c = torch.cumsum(_starts(real, pos).reshape(-1), 0).view(B, Sk)
     row = 2 * torch.arange(B, device=real.device)[:, None]
     ids_k = torch.where(real, row + c - 1, row + c[:, -1:] + 1)
-    ids_q = torch.where(real, row + c - 1, row + c[:, -1:])[:, Sk - Sq:]
+    ids_q = torch.where(real, row + c - 1, row + c[:, -1:])
+    if q_end is None:
+        ids_q = ids_q[:, Sk - Sq:]
+    else:
+        ids_q = ids_q.gather(1, q_end - Sq + torch.arange(Sq, device=real.device))
     slots = 2 * B + (B * Sk if pos is not None else B)         # ids 0 .. slots - 1: the sequences of cu
     bounds = torch.arange(slots + 1, device=real.device)
 

@@ -9,32 +9,46 @@ sliding window) and the 2-D padding mask. sinkattn computes the pattern itself (
     returns bool [B, n]           key column j of the layer is real iff mask[b, j]; the layer's key
                                   tensor has n real columns first (a static cache may hold more)
 
+    returns int8 [B, kv_length]   traced with a StaticCache (``q_offset`` a 0-d tensor): column j is
+                                  1 (real key), 0 (padding) or -1 (a slot after the last query,
+                                  not written yet); the columns before the first -1 are the n above
+
 Column ``j`` of the layer's keys is absolute position ``kv_offset + j``; the queries are the
 absolute positions ``q_offset .. q_offset + q_length - 1``, the last ``q_length`` of the ``n``
 columns. A pattern it does not recognise (custom ``or_mask_function`` / ``and_mask_function``,
 block overlays, bidirectional or chunked attention) raises instead of being dropped silently.
 
 With a sliding window, a row's real keys must be one run (padding on the left or the right):
-sinkattn counts the window in real tokens, eager attention in columns. Under ``torch.compile`` /
-``torch.export`` the function reads nothing at trace time, so a model call stays one graph: the
-mask goes to the layers as it is (all real or not), and the one-run check runs in the compiled
-program as the ``sinkattn::hf_padding_on_one_side`` op. The pattern is then known from what
-tracing can read (see ``_traced_pattern_window``).
+sinkattn counts the window in real tokens, eager attention in columns. Full attention needs no
+such run (a query sees every real key up to it, whatever lies between), so for a model whose
+``config.layer_types`` has no ``sliding_attention`` layer the sliding mask, which gpt-oss makes
+anyway, is not checked.
+
+Under ``torch.compile`` / ``torch.export`` the function reads nothing at trace time, so a model
+call stays one graph: the mask goes to the layers as it is (all real or not), and the one-run
+check runs in the compiled program as the ``sinkattn::hf_padding_on_one_side`` op. The pattern is
+then known from what tracing can read (see ``_traced_pattern_window``). A StaticCache hands
+``q_offset`` as a 0-d tensor, which tracing cannot read without a graph break, and ``n`` depends
+on it: such a layer gets the int8 mask, as wide as the cache, made with all the checks by the
+``sinkattn::hf_static_cache_keys`` op when the compiled program runs.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from . import layout
 
-__all__ = ["key_mask", "pattern_window", "padding_on_one_side"]
+__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "UNWRITTEN"]
 
 _FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
 PADDING_INSIDE_A_ROW = (
     "sinkattn.hf: padding inside a row (real tokens on both sides of a pad) with a sliding window: sinkattn counts "
     "the window in real tokens, eager in positions; pad on the left or the right only, or use "
     "attn_implementation='eager'")
+UNWRITTEN = -1          # the int8 mask's value for a static cache's slots after the last query
 
 
 @torch.library.custom_op("sinkattn::hf_padding_on_one_side", mutates_args=())
@@ -119,17 +133,9 @@ def pattern_window(fn, local_size: int | None = None, custom: bool = False) -> i
     return window
 
 
-def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
-                  mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
-                  device=None, **kwargs) -> torch.Tensor | None:
-    """Hugging Face's mask-interface call -> ``None`` or the real-key mask ``bool [B, n]`` (module doc)."""
-    window = local_size
-    if mask_function is not None:
-        window = pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))
-        if local_size is not None and window is not None and window != local_size:
-            raise ValueError(f"sinkattn.hf: mask pattern has sliding window {window} but the layer asks for "
-                             f"{local_size}; {_FIX} with one window")
-    q_offset, kv_offset = int(q_offset), int(kv_offset)      # a static cache hands a 0-d tensor
+def _keys(batch_size: int, q_length: int, kv_length: int, q_offset: int, kv_offset: int,
+          attention_mask: torch.Tensor | None, sliding: bool, device) -> torch.Tensor | None:
+    """``None`` or the real-key mask ``bool [B, n]`` for integer offsets, with the checks."""
     end = q_offset + q_length                                # one past the last query's absolute position
     n = end - kv_offset
     if not q_length <= n <= kv_length:
@@ -147,8 +153,52 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
             f"position {end - 1}; pass a mask over the past and the new tokens, shape [B, {end}] or longer")
     keys = attention_mask[:, kv_offset:end].to(torch.bool)
     if torch.compiler.is_compiling():       # the mask goes to the layers unread, but for the one refusal
-        return padding_on_one_side(keys) if window is not None else keys
-    every_key_real, *one_run = torch.stack([keys.all()] + ([layout.one_run(keys)] if window else [])).tolist()
+        return padding_on_one_side(keys) if sliding else keys
+    every_key_real, *one_run = torch.stack([keys.all()] + ([layout.one_run(keys)] if sliding else [])).tolist()
     if one_run and not one_run[0]:
         raise ValueError(PADDING_INSIDE_A_ROW)
     return None if n == kv_length and every_key_real else keys
+
+
+@torch.library.custom_op("sinkattn::hf_static_cache_keys", mutates_args=())
+def static_cache_keys(attention_mask: Optional[torch.Tensor], q_offset: torch.Tensor, batch_size: int,
+                      q_length: int, kv_length: int, kv_offset: int, sliding: bool) -> torch.Tensor:
+    """The int8 mask ``[B, kv_length]`` of a layer whose query offset is a tensor (module doc), with
+    ``key_mask``'s checks and errors. An op, so that a traced model reads the offset when it runs."""
+    keys = _keys(batch_size, q_length, kv_length, int(q_offset), kv_offset, attention_mask, sliding, q_offset.device)
+    slots = torch.full((batch_size, kv_length), UNWRITTEN, dtype=torch.int8, device=q_offset.device)
+    if keys is None:
+        return slots.fill_(1)
+    slots[:, :keys.shape[1]] = keys
+    return slots
+
+
+@static_cache_keys.register_fake
+def _(attention_mask, q_offset, batch_size, q_length, kv_length, kv_offset, sliding):
+    return q_offset.new_empty((batch_size, kv_length), dtype=torch.int8)
+
+
+def _has_sliding_layers(config) -> bool:
+    """Whether a layer of the model reads the sliding-window mask (True when the config does not say)."""
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
+                  device=None, **kwargs) -> torch.Tensor | None:
+    """Hugging Face's mask-interface call -> ``None``, the real-key mask ``bool [B, n]`` or, traced
+    with a StaticCache, the int8 slot mask ``[B, kv_length]`` (module doc)."""
+    window = local_size
+    if mask_function is not None:
+        window = pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))
+        if local_size is not None and window is not None and window != local_size:
+            raise ValueError(f"sinkattn.hf: mask pattern has sliding window {window} but the layer asks for "
+                             f"{local_size}; {_FIX} with one window")
+    if window is not None and not _has_sliding_layers(kwargs.get("config")):
+        window = None                      # gpt-oss makes the sliding mask even when no layer reads it
+    if isinstance(q_offset, torch.Tensor) and torch.compiler.is_compiling():
+        return static_cache_keys(attention_mask, q_offset, batch_size, q_length, kv_length, kv_offset,
+                                 window is not None)
+    return _keys(batch_size, q_length, kv_length, int(q_offset), int(kv_offset), attention_mask, window is not None,
+                 device)
