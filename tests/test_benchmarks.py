@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from sinkattn.testing import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,3 +167,27 @@ def test_nonfinite_benchmark_quick(tmp_path):
     assert [(r["shape"].split()[5], r["mode"]) for r in report["rows"]] == [
         ("float32", "fwd"), ("float32", "fwdbwd"), ("bfloat16", "fwd"), ("bfloat16", "fwdbwd")]
     assert "budget < 2%" in stdout
+
+
+def test_script_parser_defaults_and_refusals(capsys):
+    ap = bench.script_parser("d", repeats=7, quick="q")
+    args = bench.parse_script_args(ap, [])
+    assert (args.quick, args.repeats, args.threads, args.json) == (False, 7, None, None)
+    described = bench.parse_script_args(bench.script_parser("d", repeats="10, tiny 1", quick="q", threads="at most 2"),
+                                        [])
+    assert described.repeats is None and described.threads is None      # the script picks; the help says how
+    assert not hasattr(bench.parse_script_args(bench.script_parser("d", repeats=None, quick="q"), []), "repeats")
+    assert bench.parse_script_args(bench.script_parser("d", repeats=3, quick="q", threads=1), []).threads == 1
+    for bad in (["--repeats", "0"], ["--threads", "0"], ["--threads", "-2"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_script_args(bench.script_parser("d", repeats=3, quick="q"), bad)
+        assert exit_.value.code == 2 and f"argument {bad[0]}: must be at least 1" in capsys.readouterr().err
+
+
+def test_parse_script_args_sets_the_threads():
+    before = torch.get_num_threads()
+    try:
+        args = bench.parse_script_args(bench.script_parser("d", repeats=3, quick="q"), ["--threads", str(before + 1)])
+        assert args.threads == before + 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
