@@ -1,7 +1,9 @@
 """The benchmark scripts run end to end (smoke size); they print figures and never assert speed."""
 
 import json
+import math
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,11 @@ import torch
 from sinkattn.testing import bench
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(x) -> bool:
+    """A time (or a rate): a positive finite number."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
 def test_cpu_benchmark_quick(tmp_path):
@@ -167,6 +174,15 @@ def test_nonfinite_benchmark_quick(tmp_path):
     assert [(r["shape"].split()[5], r["mode"]) for r in report["rows"]] == [
         ("float32", "fwd"), ("float32", "fwdbwd"), ("bfloat16", "fwd"), ("bfloat16", "fwdbwd")]
     assert "budget < 2%" in stdout
+
+
+def test_hf_benchmark_passes_threads_to_its_fresh_processes():
+    """A full run measures in fresh processes: ``--threads`` must reach them (each row says what it ran with)."""
+    pytest.importorskip("transformers", minversion="5.4")
+    hf = runpy.run_path(str(ROOT / "benchmarks" / "hf.py"))
+    threads = torch.get_num_threads() + 1                     # not what a process picks by itself
+    row = hf["_fresh"]("time", "sinkattn", 1, 16, 1, hf["MODEL"], threads)
+    assert row["threads"] == threads and timed(row["seconds"]) and row["samples"] == [row["seconds"]]
 
 
 def test_script_parser_defaults_and_refusals(capsys):
