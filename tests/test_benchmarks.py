@@ -6,6 +6,7 @@ import os
 import runpy
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from sinkattn.testing import bench
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+UNTIMED = {"cache_memory", "compensated"}      # nothing timed: no --repeats
 
 
 def timed(x) -> bool:
@@ -207,3 +210,19 @@ def test_parse_script_args_sets_the_threads():
         assert args.threads == before + 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_script_takes_the_common_options():
+    def helps(script):
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    with ThreadPoolExecutor(4) as pool:
+        runs = dict(zip(SCRIPTS, pool.map(helps, SCRIPTS)))
+    assert len(SCRIPTS) == 11 and UNTIMED < set(SCRIPTS)
+    for script, run in runs.items():
+        assert run.returncode == 0, (script, run.stderr[-2000:])
+        listed = run.stdout.split("\noptions:\n")[-1]                  # the options, not the description
+        options = {word.rstrip(",") for word in listed.split() if word.startswith("--")}
+        assert {"--quick", "--threads", "--json"} <= options, (script, run.stdout)
+        assert ("--repeats" in options) == (script not in UNTIMED), (script, run.stdout)
+        assert "torch threads (default" in listed and "write every figure to this file" in listed
