@@ -329,14 +329,25 @@ def test_verify_defaults_to_the_device_present(monkeypatch, gpu, backend, on_gpu
     assert (args.device, args.runs_on) == expected
 
 
+def _sigint_at_its_default():
+    """Run in the child before exec: SIGINT at its default action, as in a terminal. A shell without job control
+    starts a background job with SIGINT ignored, an ignored signal stays ignored through fork and exec, and a
+    Python started so installs no KeyboardInterrupt handler: under such a test run the bench never saw the
+    SIGINT and ran on (to its end and exit 0 when it was short enough, past the wait below when not)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_keyboard_interrupt_is_a_short_message_and_exit_130():
     env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    # 10^6 repeats of each length: no machine ends this before the signal, so a SIGINT that goes unseen shows as
+    # the timeout below (with every thread's stack), never as a run that finished
     proc = subprocess.Popen([sys.executable, "-m", "sinkattn", "bench", "--config", "cpu-default", "--modes", "fwd",
-                             "--repeats", "500", "--providers", "sinkattn"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                             "--repeats", "1000000", "--providers", "sinkattn"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_at_its_default)
     try:
         assert proc.stdout.readline().startswith("bench:")     # options checked, the timing under way
         time.sleep(0.5)
+        assert proc.poll() is None, "the bench ended before the signal"
         proc.send_signal(signal.SIGINT)
         try:
             _, err = proc.communicate(timeout=120)
