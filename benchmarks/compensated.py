@@ -1,18 +1,17 @@
 """Gate A over the Triton backend's random packed batches with plain and with compensated products.
 
-    python benchmarks/compensated.py [--seeds 32] [--json FILE]
+    python benchmarks/compensated.py [--seeds 32] [--threads N] [--json FILE] [--quick]
 
 The batches are those of ``tests/test_random_packed.py::test_random_packed_batches_triton`` (seeds
 0..N-1, ``cases.random_packed`` at ``cases.INTERPRETER_RANDOM`` sizes), run through the interpreter
 when there is no GPU. For fp16 and bf16, each with ``COMPENSATED = False`` and ``True``: how many
 batches fail Gate A, which ones, and per tensor the worst ratio and largest error over all batches.
 The wall time of the checks (golden included) is printed for CI's budget; an interpreter time says
-nothing about GPU speed. Asserts nothing.
+nothing about GPU speed, and nothing else is timed (no ``--repeats``). Asserts nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -51,26 +50,27 @@ def measure(dtype: torch.dtype, compensated: bool, seeds: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.script_parser(__doc__, repeats=None, quick="smoke run: one seed (--seeds 1)")
     ap.add_argument("--seeds", type=int, default=32)
-    ap.add_argument("--json", help="write the rows here")
-    args = ap.parse_args(argv)
+    args = bench.parse_script_args(ap, argv)
+    seeds = 1 if args.quick else args.seeds
     saved = triton_backend.COMPENSATED
     rows = []
     try:
         for name, dtype in DTYPES.items():
             for compensated in (False, True):
-                row = measure(dtype, compensated, args.seeds)
+                row = measure(dtype, compensated, seeds)
                 rows.append(row)
                 worst = "  ".join(f"{t} {w['min_ratio']:.4f}" for t, w in row["worst"].items())
                 print(f"{name} {'compensated' if compensated else 'plain      '}: {row['failed']:3d} of "
-                      f"{args.seeds} fail Gate A  (worst ratio: {worst})  [{row['wall_s']} s, {DEVICE}]")
+                      f"{seeds} fail Gate A  (worst ratio: {worst})  [{row['wall_s']} s, {DEVICE}]")
                 for f in row["failures"]:
                     print(f"    {f['case']}: {f['tensors']}")
     finally:
         triton_backend.COMPENSATED = saved
     report = {"header": {**bench.header(DEVICE), "interpreter": DEVICE != "cuda"},
-              "command": f"python benchmarks/compensated.py --seeds {args.seeds}", "rows": rows}
+              "command": f"python benchmarks/compensated.py --seeds {seeds}"
+                         + (f" --threads {args.threads}" if args.threads else ""), "rows": rows}
     bench.write_json(args.json, report)
     return report
 

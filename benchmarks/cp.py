@@ -2,7 +2,8 @@
 with ``sinkattn.distributed`` over P ranks, against single-process ``sinkattn`` on the full tensors.
 
     torchrun --nproc-per-node P benchmarks/cp.py --json FILE   # one group size (gloo on CPU, NCCL on GPUs)
-    python benchmarks/cp.py [--sizes 1 2 4] [--seq S] [--memory-only] [--json FILE] [--quick]   # torchrun per P
+    python benchmarks/cp.py [--sizes 1 2 4] [--seq S] [--memory-only] [--repeats N] [--threads N] [--json FILE]
+                            [--quick]   # torchrun per P
 
 Problem: B=1, S tokens (default 8192), HQ=8, HKV=2, D=64, fp32, causal, learnable sinks, zigzag
 layout; a step is ``out, lse = sink_attn_func(...)`` on this rank's shards and
@@ -12,8 +13,9 @@ of its memory over one step after a warm-up (CUDA allocator peak, or on CPU the 
 measured in processes where glibc returns every block >= 64 KiB to the OS on free,
 MALLOC_MMAP_THRESHOLD_=65536, so heap reuse cannot hide a peak; that setting slows allocation, so
 time comes from separate processes) and the median time of ``--repeats`` steps. On CPU every rank
-runs one thread (set here: torchrun sets it for P > 1 only), so P = 4 on a 2-core machine shares cores: its times say
-how the work splits, not what 4 cores would do. Prints figures and ratios to P = 1; asserts nothing.
+runs ``--threads`` torch threads, default one (set here: torchrun sets it for P > 1 only), so P = 4 on a
+2-core machine shares cores: its times say how the work splits, not what 4 cores would do. Prints figures
+and ratios to P = 1; asserts nothing.
 """
 
 from __future__ import annotations
@@ -27,18 +29,19 @@ import sys
 import tempfile
 import time
 
+from sinkattn.testing import bench
+
 PROBLEM = dict(B=1, HQ=8, HKV=2, D=64, causal=True, layout="zigzag")
 METHODS = ("ring", "ulysses")
 
 
-def _rank_figures(what: str, seq: int, repeats: int) -> list[dict]:
+def _rank_figures(what: str, seq: int, repeats: int, threads: int) -> list[dict]:
     """Run under torchrun: this rank's figures for each method, gathered on every rank."""
     import torch
     import torch.distributed as dist
 
     import sinkattn
     import sinkattn.distributed as cp
-    from sinkattn.testing import bench
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -47,7 +50,7 @@ def _rank_figures(what: str, seq: int, repeats: int) -> list[dict]:
     if cuda:
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(1)      # torchrun sets 1 only for nproc > 1: every P alike
+        torch.set_num_threads(threads)      # torchrun sets 1 only for nproc > 1: every P alike
     p = PROBLEM
     g = torch.Generator().manual_seed(0)
     full = [torch.randn(p["B"], seq, h, p["D"], generator=g) for h in (p["HQ"], p["HKV"], p["HKV"], p["HQ"])]
@@ -91,15 +94,17 @@ def _rank_figures(what: str, seq: int, repeats: int) -> list[dict]:
     return [r for per_rank in gathered for r in per_rank]
 
 
-def _start(P: int, what: str, seq: int, repeats: int, same_process: bool, tmp: str):
-    """Start one torchrun of P ranks measuring ``what`` ("memory", "time" or "both"); rank 0 writes
-    every rank's rows to a file in ``tmp``. Returns ``(process, that file)``."""
+def _start(P: int, what: str, seq: int, repeats: int, same_process: bool, tmp: str, threads: int):
+    """Start one torchrun of P ranks measuring ``what`` ("memory", "time" or "both") with ``threads``
+    torch threads each on CPU; rank 0 writes every rank's rows to a file in ``tmp``. Returns
+    ``(process, that file)``."""
     out = os.path.join(tmp, f"rows-{P}-{what}.json")
     env = dict(os.environ)
     if what == "memory" and not same_process:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(P), "--master-port",
-            str(29500 + os.getpid() % 1000 + 7 * P), __file__, "--worker", what, str(seq), str(repeats), out]
+            str(29500 + os.getpid() % 1000 + 7 * P), __file__, "--worker", what, str(seq), str(repeats), out,
+            "--threads", str(threads)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), out
 
 
@@ -135,25 +140,22 @@ def _summary(rows: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench.script_parser(__doc__, repeats=3, threads=1, quick="smoke run: S=256, P = 1 and 2, one repeat, "
+                                                                  "memory and time in one process per P")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--memory-only", action="store_true", help="peak memory only (no timing runs)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: S=256, P = 1 and 2, one repeat, "
-                    "memory and time in one process per P")
-    ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = bench.parse_script_args(ap, argv)
     if args.worker:
         what, seq, repeats, out = args.worker
-        rows = _rank_figures(what, int(seq), int(repeats))
+        rows = _rank_figures(what, int(seq), int(repeats), args.threads)
         if int(os.environ.get("RANK", 0)) == 0:
             with open(out, "w") as f:
                 json.dump(rows, f)
         return {}
     if "RANK" in os.environ:            # started by torchrun directly: this group size only
-        rows = _rank_figures("both", args.seq, args.repeats)
+        rows = _rank_figures("both", args.seq, args.repeats, args.threads)
         if int(os.environ["RANK"]) == 0:
             _report(rows, args)
         return {}
@@ -161,24 +163,21 @@ def main(argv=None) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:          # smoke run: every group size at once, figures not clean
-            started = [(P, _start(P, "both", seq, repeats, True, tmp)) for P in sizes]
+            started = [(P, _start(P, "both", seq, repeats, True, tmp, args.threads)) for P in sizes]
             for P, run in started:
                 rows += _finish(run, f"P={P}")
         else:                   # one group size, one kind of figure at a time
             for P in sizes:
                 for what in ("memory",) if args.memory_only else ("memory", "time"):
-                    rows += _finish(_start(P, what, seq, repeats, False, tmp), f"P={P} {what}")
+                    rows += _finish(_start(P, what, seq, repeats, False, tmp, args.threads), f"P={P} {what}")
     return _report(rows, args, seq, repeats)
 
 
 def _spread(entry: dict):
-    from sinkattn.testing import bench
     return bench.Spread(entry["max_rank_seconds_min"], entry["max_rank_seconds"], entry["max_rank_seconds_max"])
 
 
 def _report(rows, args, seq=None, repeats=None) -> dict:
-    from sinkattn.testing import bench
-
     info = bench.header()
     summary = _summary(rows)
     single = next((e for e in summary if e["provider"] == "single-process"), {})

@@ -1,6 +1,6 @@
 """CPU benchmark: sinkattn's cpu backend against torch SDPA and eager sink attention, same run.
 
-    python benchmarks/cpu.py [--quick] [--json FILE]
+    python benchmarks/cpu.py [--quick] [--repeats N] [--threads N] [--json FILE]
 
 Prints medians and ratios (never asserts a speed). The peers:
 
@@ -12,15 +12,13 @@ Prints medians and ratios (never asserts a speed). The peers:
 Sections: (1) dense causal B=1, HQ=16, HKV=4, S=2048, D=64, fwd and fwd+bwd, in
 fp32 and bf16; (2) peak memory growth of fwd+bwd at S=16384, HQ=8, HKV=2, D=64,
 fp32, each provider in a fresh process after a tiny warm-up call; (3) causal window (511, 0) against full
-causal at S=8192.
+causal at S=8192. ``--threads`` applies to the processes of section (2) too.
 """
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
-
 
 from sinkattn.testing import bench
 
@@ -39,25 +37,29 @@ def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
 
 _MEMORY_CHILD = """
 import sys
+import torch
 from sinkattn.testing import bench
-provider, S = sys.argv[1], int(sys.argv[2])
+provider, S, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if threads:
+    torch.set_num_threads(threads)
 bench.peak_growth_mib(bench.Problem(1, 64, 8, 2, 64), provider)   # one-time lazy initialisation
 print(bench.peak_growth_mib(bench.Problem(1, S, 8, 2, 64), provider, "fwdbwd"))
 """
 
 
-def memory(S=16384, providers=("sinkattn", "sdpa")):
-    """Peak memory growth of fwd+bwd, each provider in a fresh process, after one tiny warm-up
-    call so that the process's one-time initialisation is not counted as the call's memory."""
+def memory(S=16384, providers=("sinkattn", "sdpa"), threads=None):
+    """Peak memory growth of fwd+bwd, each provider in a fresh process (with ``threads`` torch threads,
+    None: torch's choice), after one tiny warm-up call so that the process's one-time initialisation is
+    not counted as the call's memory."""
     rows = []
     for name in providers:
-        out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, name, str(S)],
+        out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, name, str(S), str(threads or 0)],
                              capture_output=True, text=True, check=True)
         growth_mib = float(out.stdout.strip().splitlines()[-1])
         rows.append(dict(section="memory", provider=name, shape=f"B=1 HQ=8 HKV=2 S={S} D=64 fp32 fwd+bwd",
                          peak_growth_gib=growth_mib / 2**10))
     scores = 8 * S * S * 4 / 2**30
-    rows.append(dict(section="memory", provider="eager", shape=f"S={S}",
+    rows.append(dict(section="memory", provider="eager", shape=f"S={S}", S=S, scores_gib=scores,
                      note=f"not run: its fp32 scores alone are 8*S*S*4 B = {scores:.1f} GiB"))
     return rows
 
@@ -75,20 +77,17 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats (smoke run)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", help="write every figure to this file")
-    args = ap.parse_args(argv)
+    ap = bench.script_parser(__doc__, repeats=5, quick="smaller shapes and fewer repeats (smoke run)")
+    args = bench.parse_script_args(ap, argv)
     rows = []
     if args.quick:
         rows += speed("float32", 2, S=256)
-        rows += memory(S=1024)
+        rows += memory(S=1024, threads=args.threads)
         rows += window(2, S=1024)
     else:
         for dtype in ("float32", "bfloat16"):
             rows += speed(dtype, args.repeats)
-        rows += memory()
+        rows += memory(threads=args.threads)
         rows += window(max(2, args.repeats // 2))
     info = bench.header()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))

@@ -1,8 +1,10 @@
 """GPU benchmark of the Triton backend: one command, one JSON, within a time budget (default 7 min).
 
-    PYTHONPATH=src python benchmarks/gpu.py --json gpu.json [--budget 420] [--sections ...]
+    PYTHONPATH=src python benchmarks/gpu.py --json gpu.json [--budget 420] [--sections ...] [--repeats N]
     python benchmarks/gpu.py --tiny --json tiny.json     # no GPU: every section through the Triton
                                                          # interpreter on tiny shapes (nothing timed counts)
+
+``--quick`` is ``--tiny``; ``--threads N`` sets torch's CPU threads (the interpreter's work).
 
 Sections, in this order (``--sections`` picks some):
 
@@ -26,7 +28,6 @@ Needs no package metadata (run from the source tree with ``PYTHONPATH=src``) and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -330,18 +331,17 @@ def _watchdog(report: Report, grace: float) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the report here (rewritten after every unit)")
+    ap = bench.script_parser(__doc__, repeats="10, tiny 1",
+                             quick="tiny shapes (implied without a GPU: the interpreter)")
+    ap.add_argument("--tiny", dest="quick", action="store_true", help="the same as --quick")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; units that would start later are skipped")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {','.join(SECTIONS)}")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (implied without a GPU: the interpreter)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per figure (default 10, tiny 1)")
-    args = ap.parse_args(argv)
+    args = bench.parse_script_args(ap, argv)
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"argument --sections: unknown {unknown}; choose from {list(SECTIONS)}")
-    tiny = args.tiny or not HAS_GPU
+    tiny = args.quick or not HAS_GPU
     device = "cuda" if HAS_GPU else "cpu"
     repeats = args.repeats or (1 if tiny else 10)
     report = Report(args.json, args.budget)

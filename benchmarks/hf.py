@@ -1,6 +1,6 @@
 """Hugging Face benchmark: one gpt-oss training step (fwd+bwd) with sinkattn against eager attention.
 
-    python benchmarks/hf.py [--json FILE] [--repeats N] [--quick]
+    python benchmarks/hf.py [--json FILE] [--repeats N] [--threads N] [--quick]
 
 Model: GptOssForCausalLM from a config (random weights, fp32): hidden 256, 16 query heads, 4 KV
 heads, head dim 64, two layers (sliding window 128, then full attention), 4 experts of which 2
@@ -16,7 +16,8 @@ setting slows allocation, hence its own process). Eager gets the same batch; it 
 flash kwargs and attends causally over the whole 4096-token row (it does not keep the packed
 sequences apart), materializing [16, 4096, 4096] fp32 scores per layer. sinkattn also runs at
 4 x 4096 tokens, where eager is not run (its scores alone would be 16 GiB per tensor per layer).
-Prints figures and ratios; asserts nothing.
+``--threads`` applies to every fresh process (each row records its own thread count). Prints
+figures and ratios; asserts nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from sinkattn.testing import bench
 
 MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=16, num_key_value_heads=4, head_dim=64, sliding_window=128,
@@ -56,40 +59,46 @@ def _step_fn(impl: str, n_seqs: int, seq_len: int, config: dict):
 
 
 def child(what: str, impl: str, n_seqs: int, seq_len: int, repeats: int, config: dict) -> dict:
-    """``what="memory"``: peak growth of one step after a warm-up; ``"time"``: median of ``repeats`` steps."""
-    from sinkattn.testing import bench
+    """``what="memory"``: peak growth of one step after a warm-up; ``"time"``: median of ``repeats`` steps.
+    Either records the torch threads it ran with."""
+    import torch
 
     step = _step_fn(impl, n_seqs, seq_len, config)
     step()                                                    # warm-up: one-time initialisation
     if what == "memory":
-        return dict(peak_growth_mib=bench.step_peak_growth_mib(step))
+        return dict(peak_growth_mib=bench.step_peak_growth_mib(step), threads=torch.get_num_threads())
     seconds, load_before = [], os.getloadavg()[0]
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         seconds.append(time.perf_counter() - t0)
     # the 1-minute load average around the timing: above ~2 on this 2-core machine, other work shared it
-    return dict(seconds=statistics.median(seconds), samples=seconds, loadavg=[load_before, os.getloadavg()[0]])
+    return dict(seconds=statistics.median(seconds), samples=seconds, loadavg=[load_before, os.getloadavg()[0]],
+                threads=torch.get_num_threads())
 
 
-def _fresh(what: str, impl: str, n_seqs: int, seq_len: int, repeats: int, config: dict) -> dict:
+def _fresh(what: str, impl: str, n_seqs: int, seq_len: int, repeats: int, config: dict,
+           threads: int | None = None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if what == "memory":       # every block >= 64 KiB is mmap'd and returned on free: no heap reuse hides a peak
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     args = [sys.executable, __file__, "--child", what, impl, str(n_seqs), str(seq_len), str(repeats),
-            json.dumps(config)]
+            json.dumps(config), *(["--threads", str(threads)] if threads else [])]
     out = subprocess.run(args, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{impl} {what} at {n_seqs} x {seq_len} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(impl: str, n_seqs: int, seq_len: int, repeats: int, config: dict, fresh: bool = True) -> dict:
-    """Time and peak memory growth of one step, each in its own fresh process (module doc);
-    ``fresh=False`` runs them in this process (smoke runs: the figures then mean little)."""
+def measure(impl: str, n_seqs: int, seq_len: int, repeats: int, config: dict, fresh: bool = True,
+            threads: int | None = None) -> dict:
+    """Time and peak memory growth of one step, each in its own fresh process with ``threads`` torch
+    threads (module doc); ``fresh=False`` runs them in this process (smoke runs: the figures then mean
+    little)."""
     row = dict(impl=impl, tokens=f"{n_seqs} x {seq_len}")
     for what in ("time", "memory"):
-        row.update((_fresh if fresh else child)(what, impl, n_seqs, seq_len, repeats, config))
+        row.update(_fresh(what, impl, n_seqs, seq_len, repeats, config, threads) if fresh
+                   else child(what, impl, n_seqs, seq_len, repeats, config))
     return row
 
 
@@ -104,25 +113,20 @@ def _show(ratio: float | None) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 4 x 64 and 4 x 128 tokens, 1 repeat, all in this process")
-    ap.add_argument("--json", help="write every figure to this file")
+    ap = bench.script_parser(__doc__, repeats=5, quick="smoke run: 4 x 64 and 4 x 128 tokens, 1 repeat, "
+                                                         "all in this process")
     ap.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = bench.parse_script_args(ap, argv)
     if args.child:
         what, impl, n, length, repeats, config = args.child
         print(json.dumps(child(what, impl, int(n), int(length), int(repeats), json.loads(config))))
         return {}
 
-    from sinkattn.testing import bench
-
     short, long_ = (64, 128) if args.quick else (1024, 4096)
     repeats = 1 if args.quick else args.repeats
     fresh = not args.quick
-    rows = [measure(impl, 4, short, repeats, MODEL, fresh) for impl in ("sinkattn", "eager")]
-    rows.append(measure("sinkattn", 4, long_, max(1, repeats // 2), MODEL, fresh))
+    rows = [measure(impl, 4, short, repeats, MODEL, fresh, args.threads) for impl in ("sinkattn", "eager")]
+    rows.append(measure("sinkattn", 4, long_, max(1, repeats // 2), MODEL, fresh, args.threads))
     ours, eager, big = rows
     ratios = dict(time_vs_eager=_ratio(ours["seconds"], eager["seconds"]),
                   peak_growth_vs_eager=_ratio(ours["peak_growth_mib"], eager["peak_growth_mib"]))
@@ -143,7 +147,7 @@ def main(argv=None) -> dict:
           f"peak growth {_show(ratios['peak_growth_vs_eager'])}{memory_target}")
     if args.quick:
         print("smoke run: the targets (time <= 0.25x, peak growth <= 0.2x) are for the full run at 4 x 1024")
-    report = dict(header=info, model=MODEL, rows=rows, ratios=ratios,
+    report = dict(header=info, model=MODEL, rows=rows, ratios=ratios, eager_scores_gib=eager_scores_gib,
                   eager_not_run=f"4 x {long_}: fp32 scores {eager_scores_gib:.3g} GiB per layer")
     bench.write_json(args.json, report)
     return report

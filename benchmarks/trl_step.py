@@ -1,7 +1,7 @@
 """TRL benchmark: one SFTTrainer optimizer step of a small gpt-oss, sinkattn on packed rows against
 eager attention on the same sequences right-padded.
 
-    python benchmarks/trl_step.py [--json FILE] [--repeats N] [--device cpu|cuda] [--quick]
+    python benchmarks/trl_step.py [--json FILE] [--repeats N] [--threads N] [--device cpu|cuda] [--quick]
 
 Model: the one of benchmarks/hf.py (GptOssForCausalLM from a config, random weights: hidden 256,
 16 query heads, 4 KV heads, head dim 64, two layers, sliding window 128 then full attention, 4
@@ -19,7 +19,8 @@ Each figure comes from a fresh process that first runs one warm-up step: time = 
 on_step_end), peak memory growth = RSS high-water mark over one ``training_step`` (forward, loss,
 backward) minus RSS before it (CUDA: the allocator's peak), in a process with
 MALLOC_MMAP_THRESHOLD_=65536 as in benchmarks/hf.py. The first step's loss of each is printed:
-the same tokens are scored, so they agree to bf16 rounding. Prints figures and ratios; asserts nothing.
+the same tokens are scored, so they agree to bf16 rounding. ``--threads`` applies to every fresh
+process (each row records its own thread count). Prints figures and ratios; asserts nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import tempfile
 import time
 
 from hf import MODEL  # benchmarks/hf.py: the same model
+
+from sinkattn.testing import bench
 
 LENGTHS = [1000, 830, 700, 610, 420, 300, 236]
 QUICK_LENGTHS = [120, 90, 64, 40, 30]
@@ -92,8 +95,6 @@ class StepTimes:
 def _measure_second_training_step(trainer, device: str) -> list:
     """Make ``trainer`` record the peak memory growth of its second ``training_step`` (the first
     is a warm-up) into the returned list."""
-    from sinkattn.testing import bench
-
     step, growth = trainer.training_step, []
 
     def measured(*args, **kwargs):
@@ -108,7 +109,10 @@ def _measure_second_training_step(trainer, device: str) -> list:
 
 def child(what: str, impl: str, lengths: list[int], repeats: int, device: str) -> dict:
     """``what="time"``: median of ``repeats`` steps after a warm-up; ``"memory"``: the peak growth of
-    the second step's ``training_step``; ``"both"`` (smoke runs): both from the same steps."""
+    the second step's ``training_step``; ``"both"`` (smoke runs): both from the same steps. Each
+    records the torch threads it ran with."""
+    import torch
+
     with tempfile.TemporaryDirectory() as folder:
         trainer = _trainer(impl, lengths, 2 if what == "memory" else 1 + repeats, device, folder)
         timer = StepTimes(device)
@@ -119,7 +123,8 @@ def child(what: str, impl: str, lengths: list[int], repeats: int, device: str) -
         trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     shape = list(batch["input_ids"].shape)
-    row = dict(first_loss=losses[0], batch=shape, tokens_in_batch=shape[0] * shape[1])
+    row = dict(first_loss=losses[0], batch=shape, tokens_in_batch=shape[0] * shape[1],
+               threads=torch.get_num_threads())
     if what != "memory":
         row.update(seconds=statistics.median(timer.seconds[1:]), samples=timer.seconds[1:],
                    loadavg=[load_before, os.getloadavg()[0]])
@@ -128,37 +133,36 @@ def child(what: str, impl: str, lengths: list[int], repeats: int, device: str) -
     return row
 
 
-def _fresh(what: str, impl: str, lengths: list[int], repeats: int, device: str) -> dict:
+def _fresh(what: str, impl: str, lengths: list[int], repeats: int, device: str, threads: int | None = None) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if what == "memory":       # every block >= 64 KiB is mmap'd and returned on free: no heap reuse hides a peak
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    args = [sys.executable, __file__, "--child", what, impl, json.dumps(lengths), str(repeats), device]
+    args = [sys.executable, __file__, "--child", what, impl, json.dumps(lengths), str(repeats), device,
+            *(["--threads", str(threads)] if threads else [])]
     out = subprocess.run(args, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{impl} {what} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(impl: str, lengths: list[int], repeats: int, device: str, fresh: bool = True) -> dict:
-    """Time and peak growth of one step, each in its own fresh process (``fresh=False``: both from the
-    same steps, in this process)."""
+def measure(impl: str, lengths: list[int], repeats: int, device: str, fresh: bool = True,
+            threads: int | None = None) -> dict:
+    """Time and peak growth of one step, each in its own fresh process with ``threads`` torch threads
+    (``fresh=False``: both from the same steps, in this process)."""
     row = dict(impl=impl, setup=SETUPS[impl])
     if not fresh:
         return row | child("both", impl, lengths, repeats, device)
     for what in ("time", "memory"):
-        row.update(_fresh(what, impl, lengths, repeats, device))
+        row.update(_fresh(what, impl, lengths, repeats, device, threads))
     return row
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = bench.script_parser(__doc__, repeats=5, quick=f"smoke run: documents of {QUICK_LENGTHS} tokens, 1 timed "
+                                                         "step, all in this process")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--quick", action="store_true", help=f"smoke run: documents of {QUICK_LENGTHS} tokens, "
-                                                         "1 timed step, all in this process")
-    ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = bench.parse_script_args(ap, argv)
     if args.child:
         what, impl, lengths, repeats, device = args.child
         print(json.dumps(child(what, impl, json.loads(lengths), int(repeats), device)))
@@ -167,11 +171,10 @@ def main(argv=None) -> dict:
     import transformers
     import trl
 
-    from sinkattn.testing import bench
-
     lengths = QUICK_LENGTHS if args.quick else LENGTHS
     repeats = 1 if args.quick else args.repeats
-    ours, eager = (measure(impl, lengths, repeats, args.device, fresh=not args.quick) for impl in SETUPS)
+    ours, eager = (measure(impl, lengths, repeats, args.device, fresh=not args.quick, threads=args.threads)
+                   for impl in SETUPS)
     ratios = dict(time_vs_eager=ours["seconds"] / eager["seconds"],
                   peak_growth_vs_eager=(ours["peak_growth_mib"] / eager["peak_growth_mib"]
                                         if eager["peak_growth_mib"] else None))

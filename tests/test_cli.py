@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import torch
 
 from sinkattn import __main__ as cli
 from sinkattn.backends import cpu
+from sinkattn.testing import bench, precision
 
 
 def test_verify_passes_and_json_holds_the_table(tmp_path, capsys):
@@ -34,6 +36,25 @@ def test_verify_passes_and_json_holds_the_table(tmp_path, capsys):
             for key in ("ratio", "max_abs_err", "gate_a", "gate_b_factor", "gate_b", "rms_rel_err"):
                 assert r[key] is not None, key
             assert f"{r['ratio']:.4f}" in text
+            _gates_follow_from_the_figures(r)
+        assert case["passed"] == _case_passes(case)
+    assert data["passed"] == all(case["passed"] for case in data["cases"])
+
+
+def _gates_follow_from_the_figures(r: dict) -> None:
+    """Each gate's verdict is what docs/contract.md §4 makes of the tensor's own figures."""
+    tol = precision.TOLERANCES[getattr(torch, r["dtype"])]
+    assert 0 <= r["ratio"] <= 1 and r["max_abs_err"] >= 0 and r["rms_rel_err"] >= 0, r
+    assert r["gate_a"] == (r["special_ok"] and r["ratio"] >= tol.required_ratio
+                           and r["max_abs_err"] <= tol.max_abs_limit), r
+    if r["gate_b"] is not None:
+        factor = precision.GATE_B_FACTOR["output" if r["name"] in ("o", "lse") else "gradient"]
+        assert r["gate_b_factor"] >= 0 and r["gate_b"] == (r["gate_b_factor"] <= factor), r
+
+
+def _case_passes(case: dict) -> bool:
+    accepted = all(r["gate_a"] or (r["waiver"] is not None and bool(r["waiver_ok"])) for r in case["reports"])
+    return case["error"] is None and case["deterministic"] is not False and accepted
 
 
 def test_verify_fails_with_nonzero_exit_on_a_wrong_backend(tmp_path, monkeypatch, capsys):
@@ -53,6 +74,14 @@ def test_verify_fails_with_nonzero_exit_on_a_wrong_backend(tmp_path, monkeypatch
     assert "determinism not checked (--repeats 1)" in text
     data = json.loads(out.read_text())
     assert data["determinism_checked"] is False and all(c["deterministic"] is None for c in data["cases"])
+    assert data["passed"] is False and not all(c["passed"] for c in data["cases"])
+    for case in data["cases"]:
+        for r in case["reports"]:
+            _gates_follow_from_the_figures(r)
+        assert case["passed"] == _case_passes(case)
+        by = {r["name"]: r for r in case["reports"]}
+        assert by["lse"]["gate_a"] is True            # the forward's lse is untouched; its output is 1% off
+        assert by["o"]["gate_a"] is False and by["o"]["max_abs_err"] > 0
 
 
 def test_bench_writes_json_with_every_figure_and_a_plot(tmp_path, capsys):
@@ -64,17 +93,39 @@ def test_bench_writes_json_with_every_figure_and_a_plot(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"machine", "isa", "torch", "sinkattn", "commit", "threads"} <= set(data["header"])
     rows = data["rows"]
-    assert {(r["provider"], r["mode"]) for r in rows} >= {(p, m) for p in ("sinkattn", "sdpa", "sdpa_lse", "eager")
-                                                         for m in ("fwd", "bwd", "fwdbwd")}
+    providers, modes = ("sinkattn", "sdpa", "sdpa_lse", "eager"), ("fwd", "bwd", "fwdbwd")
+    assert sorted((r["problem"]["S"], r["provider"], r["mode"]) for r in rows) == sorted(
+        (p.S, provider, mode) for p in bench.CONFIGS["cpu-quick"] for provider in providers for mode in modes)
     for r in rows:
         assert r["ms"] > 0 and r["gflops"] > 0
-        assert 0 < r["ms_min"] <= r["ms"] <= r["ms_max"]
+        assert 0 < r["ms_min"] <= r["ms"] <= r["ms_max"] and all(map(math.isfinite, (r["ms_min"], r["ms_max"])))
         assert f"{r['ms']:.2f}" in text and f"{r['ms_min']:.2f}–{r['ms_max']:.2f}" in text
+        _rate_and_ratio_follow_from_the_times(r, rows)
+        assert r["peak_mem_mib"] is None or r["peak_mem_mib"] >= 0
         if r["provider"] == "sinkattn":
             assert r["vs_best_peer"] > 0 and f"{r['vs_best_peer']:.2f}x" in text
     assert all(f" {words} " in text for words in ("forward", "backward", "forward+backward"))
     assert data["repeats"] == 2 and data["noise_limit"] == 0.2
     assert (data["noise_warning"] is None) == ("noise:" not in text)
+    noisy = [r for r in rows if (r["ms_max"] - r["ms_min"]) / r["ms"] > data["noise_limit"]]
+    assert (data["noise_warning"] is None) == (not noisy)
+    if noisy:
+        assert data["noise_warning"].startswith(f"noise: {len(noisy)} of {len(rows)} timings spread more than 20%")
+
+
+def _rate_and_ratio_follow_from_the_times(row: dict, rows: list[dict]) -> None:
+    """A row's GFLOP/s is its problem's visible-pair FLOPs over its median; sinkattn's ``vs_best_peer`` is the
+    fastest peer's median over its own, on the same problem and mode."""
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in row["problem"].items() if k != "label"}
+    problem = bench.Problem(**fields)
+    assert problem.label == row["problem"]["label"]
+    assert row["gflops"] == pytest.approx(problem.flops(row["mode"]) / (row["ms"] * 1e-3) / 1e9, rel=1e-9)
+    peers = [r["ms"] for r in rows if r["problem"] == row["problem"] and r["mode"] == row["mode"]
+             and r["provider"] != "sinkattn" and r["ms"] is not None]
+    if row["provider"] == "sinkattn":
+        assert row["vs_best_peer"] == (pytest.approx(min(peers) / row["ms"], rel=1e-9) if peers else None)
+    else:
+        assert row["vs_best_peer"] is None
 
 
 def test_bench_shape_and_window(tmp_path):
@@ -85,6 +136,10 @@ def test_bench_shape_and_window(tmp_path):
     by = {r["provider"]: r for r in rows}
     assert by["sinkattn"]["ms"] > 0 and by["eager"]["ms"] > 0
     assert by["sdpa"]["ms"] is None and "window" in by["sdpa"]["note"]
+    assert by["sdpa"]["gflops"] is None and by["sdpa"]["vs_best_peer"] is None
+    for r in (by["sinkattn"], by["eager"]):
+        assert r["problem"]["window"] == [31, 0] and (r["problem"]["S"], r["problem"]["HQ"]) == (96, 4)
+        _rate_and_ratio_follow_from_the_times(r, rows)
 
 
 def test_module_entry_point_help():
@@ -274,14 +329,25 @@ def test_verify_defaults_to_the_device_present(monkeypatch, gpu, backend, on_gpu
     assert (args.device, args.runs_on) == expected
 
 
+def _sigint_at_its_default():
+    """Run in the child before exec: SIGINT at its default action, as in a terminal. A shell without job control
+    starts a background job with SIGINT ignored, an ignored signal stays ignored through fork and exec, and a
+    Python started so installs no KeyboardInterrupt handler: under such a test run the bench never saw the
+    SIGINT and ran on (to its end and exit 0 when it was short enough, past the wait below when not)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_keyboard_interrupt_is_a_short_message_and_exit_130():
     env = os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    # 10^6 repeats of each length: no machine ends this before the signal, so a SIGINT that goes unseen shows as
+    # the timeout below (with every thread's stack), never as a run that finished
     proc = subprocess.Popen([sys.executable, "-m", "sinkattn", "bench", "--config", "cpu-default", "--modes", "fwd",
-                             "--repeats", "500", "--providers", "sinkattn"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                             "--repeats", "1000000", "--providers", "sinkattn"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=_sigint_at_its_default)
     try:
         assert proc.stdout.readline().startswith("bench:")     # options checked, the timing under way
         time.sleep(0.5)
+        assert proc.poll() is None, "the bench ended before the signal"
         proc.send_signal(signal.SIGINT)
         try:
             _, err = proc.communicate(timeout=120)
@@ -338,13 +404,11 @@ def _before_noise(lines):
 def _rows(spreads):
     """Bench rows with made-up times (what ``plot`` and ``noise_warning`` read), one per ``(provider, mode, S,
     (min, median, max), note)``."""
-    from sinkattn.testing import bench
     return [bench.Row(bench.Problem(1, S, 4, 2, 16), provider, mode, ms=t[1], ms_min=t[0], ms_max=t[2], note=note)
             for provider, mode, S, t, note in spreads]
 
 
 def test_noise_warning_names_the_widest_spread_and_suggests_a_rerun():
-    from sinkattn.testing import bench
     quiet = _rows([("sinkattn", "fwd", 64, (1.0, 1.1, 1.2), ""), ("sdpa", "fwd", 64, (2.0, 2.0, 2.0), "")])
     assert bench.noise_warning((r.where, r.spread) for r in quiet) is None       # 18% of the median: no warning
     noisy = quiet + _rows([("eager", "fwdbwd", 128, (1.0, 2.0, 3.0), ""), ("sdpa", "bwd", 64, (1.0, 1.0, 1.3), "")])
@@ -355,7 +419,6 @@ def test_noise_warning_names_the_widest_spread_and_suggests_a_rerun():
 
 @pytest.mark.parametrize("ext,magic", [("png", b"\x89PNG"), ("jpg", b"\xff\xd8"), ("svg", b"<?xml")])
 def test_plot_reads_in_words_and_shows_caveats_spread_and_noise(tmp_path, ext, magic):
-    from sinkattn.testing import bench
     providers = (("sinkattn", ""), ("sdpa", "no sinks"), ("sdpa_lse", "backward misses the lse path"))
     rows = _rows([(p, m, S, (1.0 * S, 1.1 * S, 1.2 * S), note) for m in ("fwd", "bwd", "fwdbwd") for S in (64, 128)
                   for p, note in providers])
@@ -391,6 +454,5 @@ def test_without_matplotlib_the_default_run_skips_the_plot_and_says_how_to_insta
 
 
 def test_bench_header_says_triton_is_not_installed(monkeypatch):
-    from sinkattn.testing import bench
     monkeypatch.setitem(sys.modules, "triton", None)
     assert bench.header()["triton"] == "not installed"

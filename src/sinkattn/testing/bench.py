@@ -404,20 +404,41 @@ def noise_warning(timings, limit: float = NOISE_LIMIT) -> str | None:
             f"rerun on a quieter machine or with more repeats")
 
 
-def script_parser(description: str, *, repeats: int, quick: str) -> argparse.ArgumentParser:
-    """The options every benchmark script in ``benchmarks/`` takes: ``--quick`` (a smoke run, described by
-    ``quick``), ``--repeats``, ``--threads`` and ``--json``; a script adds its own after these."""
+def script_parser(description: str, *, repeats: int | str | None, quick: str,
+                  threads: int | str | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark script in ``benchmarks/`` takes, with the same meaning in each:
+
+    * ``--quick``: a smoke run on small sizes, all figures still written (``quick`` says what it shrinks);
+    * ``--repeats N``: timed runs behind each figure; ``repeats`` is its default, or a string that
+      describes a default depending on other options (the script then reads None); None for a script
+      that times nothing, which then takes no ``--repeats``;
+    * ``--threads N``: torch's threads in every process of the run that computes (a script that starts
+      processes passes it on); ``threads`` describes the default, None: torch's own choice, which the
+      script then reads as None;
+    * ``--json FILE``: every figure, written to FILE.
+
+    A script adds its own options to the parser returned (hidden ones for its child processes with
+    ``help=argparse.SUPPRESS``) and reads them with ``parse_script_args``."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=quick)
-    ap.add_argument("--repeats", type=int, default=repeats)
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    if repeats is not None:
+        ap.add_argument("--repeats", type=int, default=repeats if isinstance(repeats, int) else None,
+                        help=f"timed runs behind each figure (default {repeats})")
+    shown = "torch's own choice" if threads is None else threads
+    ap.add_argument("--threads", type=int, default=threads if isinstance(threads, int) else None,
+                    help=f"torch threads (default: {shown})")
     ap.add_argument("--json", help="write every figure to this file")
     return ap
 
 
 def parse_script_args(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """``ap.parse_args(argv)``, with ``--threads`` applied to torch."""
+    """``ap.parse_args(argv)``, with ``--threads`` applied to torch in this process; ``--repeats`` and
+    ``--threads`` below 1 are refused."""
     args = ap.parse_args(argv)
+    for option in ("repeats", "threads"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            ap.error(f"argument --{option}: must be at least 1, got {value}")
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
