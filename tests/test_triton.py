@@ -219,3 +219,29 @@ def test_groups_that_do_not_fill_the_packed_tile(HQ, G):
     case = cases.Case("L2", HQ, G, (21, 0, 9), (21, 3, 12), D=16, window_size=(6, 0), lse_grad=True)
     result = verify.run_case(case, "triton", device=DEVICE)
     assert result.passed, describe(result)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+def test_gradients_of_an_unused_out_or_lse_arrive_as_none(backend, used):
+    """The op's autograd leaves an unused output's gradient None (no zeros to allocate or to look
+    into): gradients through ``out`` alone, ``lse`` alone or both equal the golden's."""
+    from sinkattn import reference
+    from sinkattn.backends import buffers
+    from sinkattn.testing import precision
+
+    torch.manual_seed(5)
+    cu = torch.tensor([0, 9, 25], dtype=torch.int32, device=DEVICE)
+    x = [torch.randn(25, 4, 16, device=DEVICE), torch.randn(25, 2, 16, device=DEVICE),
+         torch.randn(25, 2, 16, device=DEVICE), torch.randn(4, device=DEVICE)]
+    do, dlse = torch.randn(25, 4, 16, device=DEVICE), torch.randn(4, 25, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in x]
+    with buffers.poisoned():
+        out, lse = sink_attn_varlen_func(*leaves[:3], cu, cu, 16, 16, sinks=leaves[3], window_size=(6, 2),
+                                         return_lse=True, backend=backend)
+        outputs, seeds = dict(out=([out], [do]), lse=([lse], [dlse]), both=([out, lse], [do, dlse]))[used]
+        grads = torch.autograd.grad(outputs, leaves, seeds)
+    gold = reference.backward(do if used != "lse" else torch.zeros_like(do), dlse if used != "out" else None, *x[:3],
+                              x[3], cu, cu, 0.25, 6, 2)
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, gold):
+        assert precision.check(name, got, want, dtype=torch.float32).gate_a, (used, name)

@@ -97,8 +97,6 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              sinks: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, left: int,
              right: int, backend: str, extra: list[torch.Tensor]) -> list[torch.Tensor]:
-    if dlse is not None and not bool(dlse.any()):   # autograd hands zeros when lse went unused
-        dlse = None
     left, right = masks.normalize_window(False, (left, right), max_seqlen_q, max_seqlen_k)
     do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra = contiguous(
         do, dlse, q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
@@ -124,6 +122,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens_q, cu_seqlens_k, *extra)
     ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend)
     ctx.has_sinks = sinks is not None
+    ctx.set_materialize_grads(False)    # an unused out or lse arrives as None, not as zeros to look into
 
 
 def _backward(ctx, grads):
