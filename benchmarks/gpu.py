@@ -284,7 +284,8 @@ def _sweep_plans(p: bench.Problem, chip, device: str) -> dict:
     opts = dict(chip=chip, compensated=triton_backend.COMPENSATED, upcast=triton_backend._upcast(q.dtype))
     common = (cu, cu, scale, left, right, L)
     return {"fwd": lambda b: launch.forward(q, k, v, sinks.float(), out, lse, m2, log2_l, *common, **opts, blocks=b),
-            "dq": lambda b: launch.dq(q, k, v, do, m2, log2_l, None, delta, dq, *common, **opts, exact_delta=False,
+            "dq": lambda b: launch.dq(q, k, v, do, m2, log2_l, None, delta, dq, *common, **opts,
+                                      exact=torch.zeros(1, dtype=torch.int32, device=device), exact_delta=False,
                                       blocks=b),
             "dkdv": lambda b: launch.dkdv(q, k, v, do, m2, log2_l, delta, dk, dv, *common, **opts, blocks=b)}
 

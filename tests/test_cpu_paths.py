@@ -37,9 +37,11 @@ def test_inference_forward_passes_gate_a(case):
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in PATH_CASES[:8]])
 def test_inference_takes_the_fused_kernel_and_training_the_tiles(case, monkeypatch):
     calls = []
-    for module, name in ((cpu_fused, "forward"), (cpu_tiles, "forward")):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _m=module, **kw: (calls.append(_m), _real(*a, **kw))[1])
+    for module in (cpu_fused, cpu_tiles):
+        def recorded(*a, _real=module.forward, _module=module, **kw):
+            calls.append(_module)
+            return _real(*a, **kw)
+        monkeypatch.setattr(module, "forward", recorded)
     _inference(case)
     assert cpu_tiles not in calls
     calls.clear()

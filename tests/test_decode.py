@@ -3,6 +3,11 @@ directly (no dispatch), and the cpu backend computes them with one fused-kernel 
 are. Training calls take the tiles (``cpu_tiles``): the two forwards agree to rounding, each within Gate A
 of the golden, and every call that anything intercepts still goes through the op."""
 
+import os
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -99,45 +104,111 @@ def test_modes_and_subclasses_get_the_op():
     assert not ops.is_plain_eager(q.requires_grad_())
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records every read of a tensor's values back to the host that sinkattn's own code makes: scalar
-    reads (``item``, ``int``, ``float``, ``bool``: ``aten._local_scalar_dense``) and ``tolist`` /
-    ``numpy`` (which bypass the dispatcher). On a GPU each is a synchronisation. Reads made by the
-    Triton interpreter, which runs the kernels on the host, are not sinkattn's and are left out."""
+TENSOR_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__", "__complex__",
+                "__array__", "__format__", "__repr__", "__contains__", "equal", "allclose", "is_nonzero")
+"""``torch.Tensor`` methods that hand a tensor's values to Python (on a GPU each is a copy to the host and a
+synchronisation); ``TORCH_READS``: the ``torch`` functions that do."""
+TORCH_READS = ("equal", "allclose", "is_nonzero")
+_PACKAGE = str(Path(sinkattn.__file__).resolve().parent) + os.sep
+_INTERPRETER = os.sep.join(("triton", "runtime", "interpreter"))
+
+
+class HostReads:
+    """Records, within its ``with`` block, every read of a tensor's values back to the host made while
+    sinkattn's code is on the stack, wherever it runs: inside the custom ops too, and on autograd's backward
+    thread. The reading methods and functions (``TENSOR_READS``, ``TORCH_READS``) are replaced at the
+    Python level for the test; a dispatch mode would not do, as it is suspended while an op's body runs,
+    and its presence alone sends the call down another path (``ops.is_plain_eager``). Reads under the
+    Triton interpreter, which runs the kernels on the host, are the interpreter's, not sinkattn's, and are
+    left out; so is a read made while another is recorded (``__format__`` calling ``item``). Each read:
+    ``(method, innermost sinkattn frame, every sinkattn frame on the stack, innermost first)``, frames as
+    ``"path/in/sinkattn.py:function"``."""
 
     def __init__(self, monkeypatch):
-        super().__init__()
         self.reads = []
-        for name in ("tolist", "numpy"):
-            original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._recording(name, original))
+        self._active = False
+        self._depth = threading.local()
+        for name in TENSOR_READS:
+            monkeypatch.setattr(torch.Tensor, name, self._recording(name, getattr(torch.Tensor, name)))
+        for name in TORCH_READS:
+            monkeypatch.setattr(torch, name, self._recording(f"torch.{name}", getattr(torch, name)))
 
-    def _ours(self):
-        import traceback
-        files = [frame.filename for frame in traceback.extract_stack()[:-2]]
-        return any("/sinkattn/" in f for f in files) and not any("/triton/runtime/interpreter" in f for f in files)
+    def __enter__(self):
+        self._active = True
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False
+        return False
+
+    @staticmethod
+    def _frames(frame):
+        """The sinkattn frames above ``frame``, innermost first; None under the Triton interpreter."""
+        frames = []
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if _INTERPRETER in path:
+                return None
+            if path.startswith(_PACKAGE):
+                frames.append(f"{path[len(_PACKAGE):]}:{frame.f_code.co_name}")
+            frame = frame.f_back
+        return frames
 
     def _recording(self, name, original):
-        def read(tensor, *args, **kwargs):
-            if self._ours():
-                self.reads.append(name)
-            return original(tensor, *args, **kwargs)
+        def read(*args, **kwargs):
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0 and self._active:
+                frames = self._frames(sys._getframe(1))
+                if frames:
+                    self.reads.append((name, frames[0], tuple(frames)))
+            self._depth.n = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth.n = depth
         return read
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and self._ours():
-            self.reads.append("scalar")
-        return func(*args, **(kwargs or {}))
+
+_READ_EACH_WAY = (lambda t: t.item(), lambda t: t.tolist(), lambda t: t.numpy(), bool, float, int,
+                  lambda t: range(t.int()), complex, lambda t: t.__array__(), lambda t: f"{t}", repr,
+                  lambda t: 0.5 in t, lambda t: t.equal(t), lambda t: t.allclose(t), lambda t: t.is_nonzero(),
+                  lambda t: torch.equal(t, t), lambda t: torch.allclose(t, t), lambda t: torch.is_nonzero(t))
+"""One read through each of ``TENSOR_READS`` and ``TORCH_READS``, in that order, of a one-element tensor."""
 
 
-def test_host_reads_are_seen(monkeypatch):
-    """The recorder itself: a scalar read and a ``tolist`` inside sinkattn's code are both caught."""
-    from sinkattn import validation
+def _reading(original):
+    """``original`` after a read of each kind of ``_READ_EACH_WAY`` (test code called from sinkattn's)."""
+    def wrapped(*args, **kwargs):
+        one = torch.ones(1)
+        for read in _READ_EACH_WAY:
+            read(one)
+        return original(*args, **kwargs)
+    return wrapped
+
+
+def test_host_reads_are_seen_inside_the_ops(monkeypatch):
+    """The recorder itself: a read of every kind made inside ``sinkattn::forward`` and ``sinkattn::backward``
+    (the Triton launchers, here made to read) is caught once, with the op's body on the stack; the reads of
+    the Triton interpreter are not; and a read of sinkattn's own inside the forward op, the contents check
+    of a packed call's ``cu_seqlens``, is caught too."""
+    pytest.importorskip("triton")
+    from sinkattn.backends.triton import launch
+    monkeypatch.setattr(launch, "forward", _reading(launch.forward))
+    monkeypatch.setattr(launch, "dkdv", _reading(launch.dkdv))
+    kinds = [*TENSOR_READS, *(f"torch.{name}" for name in TORCH_READS)]
+    assert len(kinds) == len(_READ_EACH_WAY)
+    q, k, v, sinks = (t.requires_grad_() for t in _inputs(1, 5, 5))
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
-    with _HostReads(monkeypatch) as reads:
-        validation.check_cu_seqlens_contents(cu, cu, 5, 5, 3, 3)
-        sinkattn.sink_attn_varlen_func(*(t.reshape(5, *t.shape[2:]) for t in _inputs(1, 5, 5)[:3]), cu, cu, 3, 3)
-    assert "tolist" in reads.reads
+    with HostReads(monkeypatch) as recorder:
+        out = sinkattn.sink_attn_varlen_func(q[0], k[0], v[0], cu, cu, 3, 3, sinks=sinks, backend="triton")
+        forward_reads = list(recorder.reads)
+        out.sum().backward()
+    backward_reads = recorder.reads[len(forward_reads):]
+    assert ("tolist", "validation.py:check_cu_seqlens_contents") in [r[:2] for r in forward_reads]
+    for reads, op in ((forward_reads, "ops.py:forward"), (backward_reads, "ops.py:backward")):
+        launcher = [r for r in reads if "backends/triton/__init__.py" in r[1]]
+        assert [name for name, _, _ in launcher] == kinds, (op, reads)
+        assert all(op in frames for _, _, frames in launcher)
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
@@ -146,9 +217,9 @@ def test_dense_triton_calls_read_nothing_back_to_the_host(grad, monkeypatch):
     reads a value back to the host: launch grids come from shapes, the sink from a tensor."""
     pytest.importorskip("triton")
     q, k, v, sinks = (t.requires_grad_(grad) for t in _inputs(2, 1, 40))
-    with _HostReads(monkeypatch) as reads:
+    with HostReads(monkeypatch) as recorder:
         out = sinkattn.sink_attn_func(q, k, v, sinks=sinks.requires_grad_(grad), causal=True, window_size=(7, 0),
                                       backend="triton")
         if grad:
             out.sum().backward()
-    assert reads.reads == []
+    assert [read[:2] for read in recorder.reads] == []

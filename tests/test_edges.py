@@ -76,10 +76,11 @@ def test_triton_grid_is_capped_at_the_token_count():
     assert triton_backend._max_lens(q, k, Batch(cu, cu, 12, 13)) == (12, 13)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("backend", ["cpu"])
 def test_scores_beyond_fp32_are_refused_by_the_fp32_backends(backend):
-    """A legal softmax_scale with large q and k: fp32 scores would overflow to NaN (Triton returned
-    all NaN); the float64 reference computes them."""
+    """A legal softmax_scale with large q and k: fp32 scores would overflow to NaN; the float64 reference
+    computes them. (Triton does not check, which would read back to the host: what it returns instead is
+    test_triton.py::test_scores_beyond_fp32_are_computed_as_fp32_holds_them.)"""
     q, k, v, sinks = (x * 1e10 if i < 2 else x for i, x in enumerate(_dense(requires_grad=False)))
     with pytest.raises(ValueError, match="softmax_scale.*beyond what fp32 holds"):
         sinkattn.sink_attn_func(q, k, v, sinks=sinks, softmax_scale=1e18, backend=backend)

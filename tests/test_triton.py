@@ -219,3 +219,153 @@ def test_groups_that_do_not_fill_the_packed_tile(HQ, G):
     case = cases.Case("L2", HQ, G, (21, 0, 9), (21, 3, 12), D=16, window_size=(6, 0), lse_grad=True)
     result = verify.run_case(case, "triton", device=DEVICE)
     assert result.passed, describe(result)
+
+
+def _flag_inputs(case):
+    """``(q, k, softmax_scale)`` for the exact-Delta decision: the bound ``|scale| max|q_i| max|k_j|``."""
+    q, k = torch.randn(6, 4, 16, device=DEVICE), torch.randn(5, 2, 16, device=DEVICE)
+    if case in ("256", "just-above-256"):         # bound 16 * 16 * scale: the threshold itself, and just past it
+        q, k = torch.zeros_like(q), torch.zeros_like(k)
+        q[3, 1, 7], k[2, 0, 5] = 16.0, -16.0
+        return q, k, 1.0 if case == "256" else 1.0000001
+    if case == "nan":
+        q[2, 3, 1] = float("nan")
+    if case == "inf":
+        k[4, 1, 0] = float("inf")
+    if case == "empty":
+        q = q[:0]
+    return q, k, dict(small=0.25, large=-30.0, zero=0.0).get(case, 0.25)
+
+
+@pytest.mark.parametrize("case", ["small", "large", "256", "just-above-256", "zero", "nan", "inf", "empty"])
+def test_large_scores_flag_is_the_host_decision(case):
+    """``scores.large_scores_flag`` (on the device, for the dQ kernel) decides as ``may_have_large_scores``
+    (which reads the bound back to the host) did, at the threshold and for non-finite and empty inputs."""
+    from sinkattn.backends import scores
+
+    q, k, scale = _flag_inputs(case)
+    flag = scores.large_scores_flag(q, k, scale)
+    assert flag.dtype == torch.int32 and flag.shape == (1,) and flag.device == q.device
+    expected = dict(large=True, nan=True, inf=True, **{"just-above-256": True}).get(case, False)
+    assert scores.may_have_large_scores(q, k, scale) is expected
+    assert flag.tolist() == [int(expected)]
+
+
+def test_the_device_flag_picks_the_dq_kernel_that_works():
+    """The backward launches both dQ kernels (``EXACT_DELTA`` off and on); each reads the device flag and
+    works only where it matches. Flag 0: the exact one leaves ``dq`` (NaN-poisoned) and ``Delta`` alone,
+    the other computes ``dq`` from the Delta kernel's ``Delta``, which it leaves bitwise as it was. Flag 1:
+    the other one leaves them alone, the exact one writes ``sum_j P dP - dlse`` over every row of a
+    NaN-poisoned ``Delta`` and computes ``dq``. ``Delta`` and ``dq`` pass Gate A either way."""
+    from sinkattn import reference
+    from sinkattn.backends import buffers
+    from sinkattn.backends.triton import launch
+    from sinkattn.testing import precision
+
+    torch.manual_seed(3)
+    HQ, HKV, D, scale, left, right = 4, 2, 16, 0.3, 5, 0
+    cu = torch.tensor([0, 11, 11, 30], dtype=torch.int32, device=DEVICE)
+    q, do = torch.randn(30, HQ, D, device=DEVICE), torch.randn(30, HQ, D, device=DEVICE)
+    k, v = torch.randn(2, 30, HKV, D, device=DEVICE)
+    sinks, dlse = torch.randn(HQ, device=DEVICE), torch.randn(HQ, 30, device=DEVICE)
+    with buffers.poisoned():
+        out, lse, (m2, log2_l) = triton_backend.forward(q, k, v, sinks, cu, cu, scale, left, right, (19, 19))
+    gold_o, _ = reference.forward(q, k, v, sinks, cu, cu, scale, left, right)
+    gold_delta = torch.linalg.vecdot(do.double(), gold_o).t() - dlse.double()
+    gold_dq = reference.backward(do, dlse, q, k, v, sinks, cu, cu, scale, left, right)[0]
+    delta = torch.full((HQ, 30), float("nan"), device=DEVICE)
+    launch.delta(out, do, dlse, delta, None)()
+    from_delta_kernel = delta.clone()
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    dq = torch.full_like(q, float("nan"))
+    plans = {exact_delta: launch.dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu, cu, scale, left, right, 19, None,
+                                    False, False, flag, exact_delta) for exact_delta in (False, True)}
+    plans[True]()
+    assert dq.isnan().all() and torch.equal(delta, from_delta_kernel)
+    plans[False]()
+    assert torch.equal(delta, from_delta_kernel)
+    dq_read = dq.clone()
+    flag.fill_(1)
+    delta.fill_(float("nan"))
+    dq.fill_(float("nan"))
+    plans[False]()
+    assert dq.isnan().all() and delta.isnan().all()
+    plans[True]()
+    for name, got, gold in (("delta", from_delta_kernel, gold_delta), ("delta", delta, gold_delta),
+                            ("dq", dq_read, gold_dq), ("dq", dq, gold_dq)):
+        assert precision.check(name, got, gold, dtype=torch.float32).gate_a, name
+
+
+def test_large_scores_take_the_exact_delta_on_the_device(monkeypatch):
+    """The boundary case with q and k uniform in +-32000 passes Gate A through the device-side decision;
+    with the flag forced to 0 (the Delta kernel's ``Delta``) its dq and dk miss it: the flag is what
+    selects the exact pass."""
+    case = next(_small(c) for c in cases.cases("boundary") if c.qk_uniform == 32000.0)
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)
+    monkeypatch.setattr(triton_backend, "large_scores_flag",
+                        lambda q, k, scale: torch.zeros(1, dtype=torch.int32, device=q.device))
+    failed = {r.name for r in verify.run_case(case, "triton", device=DEVICE).reports if not r.gate_a}
+    assert {"dq", "dk"} <= failed
+
+
+def test_scores_beyond_fp32_are_computed_as_fp32_holds_them():
+    """The Triton backend does not refuse scores past fp32's range (the check would read the bound back
+    to the host): a row with a score that overflows gets ``o`` NaN and ``lse = +inf``; the other rows of
+    its sequence and tile keep their ``o`` and ``lse``; NaN reaches the sequence's gradients and the
+    dsinks of its heads, and no other sequence."""
+    from sinkattn import reference
+    from sinkattn.backends import buffers
+    from sinkattn.testing import precision
+
+    torch.manual_seed(4)
+    HQ, HKV, D = 4, 2, 16
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32, device=DEVICE)
+    q, k, v = torch.randn(20, HQ, D, device=DEVICE), torch.randn(20, HKV, D, device=DEVICE), \
+        torch.randn(20, HKV, D, device=DEVICE)
+    q[:4], k[:8] = 1e20, 1e20                   # <q_i, k_j> = 1.6e41: +inf in fp32 for rows 0-3 of sequence 0
+    q[4:8] *= 1e-20                             # rows 4-7 of sequence 0: scores of order 1
+    sinks = torch.randn(HQ, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    with buffers.poisoned():
+        out, lse = sink_attn_varlen_func(*leaves[:3], cu, cu, 12, 12, sinks=leaves[3], causal=True, return_lse=True,
+                                         backend="triton")
+        grads = torch.autograd.grad(out.sum() + lse.sum(), leaves)
+    gold_o, gold_lse = reference.forward(q, k, v, sinks, cu, cu, D ** -0.5, -1, 0)
+    assert out[:4].isnan().all() and (lse[:, :4] == float("inf")).all()
+    assert precision.check("o", out[4:], gold_o[4:], dtype=torch.float32).gate_a
+    assert precision.check("lse", lse[:, 4:], gold_lse[:, 4:], dtype=torch.float32).gate_a
+    x1 = [t[8:].detach() for t in (q, k, v)]
+    cu1 = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
+    gold = reference.backward(torch.ones(12, HQ, D, device=DEVICE), torch.ones(HQ, 12, device=DEVICE), *x1, sinks,
+                              cu1, cu1, D ** -0.5, -1, 0)
+    for name, got, want in zip(("dq", "dk", "dv"), grads[:3], gold[:3]):
+        assert not got[:8].isfinite().all(), name
+        assert precision.check(name, got[8:], want, dtype=torch.float32).gate_a, name
+    assert grads[3].isnan().all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+@pytest.mark.parametrize("used", ["out", "lse", "both"])
+def test_gradients_of_an_unused_out_or_lse_arrive_as_none(backend, used):
+    """The op's autograd leaves an unused output's gradient None (no zeros to allocate or to look
+    into): gradients through ``out`` alone, ``lse`` alone or both equal the golden's."""
+    from sinkattn import reference
+    from sinkattn.backends import buffers
+    from sinkattn.testing import precision
+
+    torch.manual_seed(5)
+    cu = torch.tensor([0, 9, 25], dtype=torch.int32, device=DEVICE)
+    x = [torch.randn(25, 4, 16, device=DEVICE), torch.randn(25, 2, 16, device=DEVICE),
+         torch.randn(25, 2, 16, device=DEVICE), torch.randn(4, device=DEVICE)]
+    do, dlse = torch.randn(25, 4, 16, device=DEVICE), torch.randn(4, 25, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in x]
+    with buffers.poisoned():
+        out, lse = sink_attn_varlen_func(*leaves[:3], cu, cu, 16, 16, sinks=leaves[3], window_size=(6, 2),
+                                         return_lse=True, backend=backend)
+        outputs, seeds = dict(out=([out], [do]), lse=([lse], [dlse]), both=([out, lse], [do, dlse]))[used]
+        grads = torch.autograd.grad(outputs, leaves, seeds)
+    gold = reference.backward(do if used != "lse" else torch.zeros_like(do), dlse if used != "out" else None, *x[:3],
+                              x[3], cu, cu, 0.25, 6, 2)
+    for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, gold):
+        assert precision.check(name, got, want, dtype=torch.float32).gate_a, (used, name)

@@ -73,7 +73,8 @@ class Config:
 
 def _variants(kernel: str, low_precision: bool) -> list[dict]:
     """The constexpr flags a call can set for ``kernel``: COMPENSATED (fp16 / bf16 only, the
-    default and the opt-out), the dQ kernel's EXACT_DELTA with or without an lse gradient,
+    default and the opt-out), the dQ kernel's EXACT_DELTA with or without an lse gradient (every
+    backward launches both EXACT_DELTA variants; the device flag picks the one that works),
     the Delta kernel's lse gradient."""
     comp = [dict(compensated=True), dict(compensated=False)] if low_precision else [dict(compensated=False)]
     if kernel == "dq":
@@ -124,7 +125,7 @@ def _example(cfg: Config):
     grads = (q, k, v, do, stats[1], stats[2])
     if cfg.kernel == "dq":
         return launch.dq(*grads, dlse, stats[3], out, cu, cu, D ** -0.5, -1, 0, T // N, **common,
-                         exact_delta=cfg.exact_delta)
+                         exact=torch.zeros(1, dtype=torch.int32), exact_delta=cfg.exact_delta)
     dk, dv = torch.zeros(T, HKV, D, **f32), torch.zeros(T, HKV, D, **f32)
     return launch.dkdv(*grads, stats[3], dk, dv, cu, cu, D ** -0.5, -1, 0, T // N, **common)
 

@@ -6,12 +6,17 @@ query heads of one KV head, each K/V tile loaded once for all of them), the onli
 keys with its statistics in base 2 (the sink joins afterwards, ``sinkattn.sink``). Backward: a
 Delta kernel; a dK/dV kernel per (key block, sequence, KV head) looping over the group's query
 heads and the query blocks that see the keys; a dQ kernel per packed tile as in the forward. When
-scores may be large (``scores.may_have_large_scores``) and the call holds every key of its rows,
-the dQ kernel sums Delta itself from the products the gradients use (``EXACT_DELTA``).
+scores may be large (``scores.large_scores_flag``, decided on the device: nothing is read back to the
+host) and the call holds every key of its rows, the dQ kernel sums Delta itself from the products
+the gradients use (both of its variants are launched, the one the flag selects does the work).
 Key blocks every row sees whole run without the mask; programs start in longest-processing-time
 order (``kernels`` says how).
 No atomics: results are bitwise reproducible. Tiles per GPU generation: ``config``; the
 launches themselves: ``launch``.
+
+Scores are not checked against fp32's range (``scores.check_fp32_range``, which the cpu backend
+applies): the check is a read back to the host, a synchronisation on every call. A score beyond fp32
+overflows in the kernels and its row comes back non-finite (docs/contract.md §2 says how).
 
 Head dims 1-256 run (tensors padded with zeros to the next power of two, at least 16, outside the
 kernels: the kernels need no column mask). fp32 inputs use IEEE fp32
@@ -28,7 +33,7 @@ import torch
 from ... import sink
 from .. import buffers
 from ..capabilities import Capabilities
-from ..scores import check_fp32_range, may_have_large_scores, score_bound
+from ..scores import large_scores_flag
 from . import config, launch
 
 __all__ = ["CAPABILITIES", "forward", "backward", "COMPENSATED", "interpreting"]
@@ -47,7 +52,7 @@ interpreter on the tests' random packed batches (``benchmarks/compensated.py --s
 
 Cost, in matrix products per visited (query block, key block) pair, all of the same size
 ``2 BM BN D`` flops: forward 2 -> 3; backward 7 -> 10 (dK/dV kernel 4 -> 6, dQ kernel 3 -> 4), or
-9 -> 12 when ``EXACT_DELTA`` adds two; plus a cast and a subtraction per element of each split tile.
+9 -> 12 when the exact Delta pass adds two; plus a cast and a subtraction per element of each split tile.
 ``False`` (set before the call) is the faster opt-out, with the errors stated in docs/backends.md."""
 
 
@@ -109,7 +114,6 @@ def _max_lens(q: torch.Tensor, k: torch.Tensor, batch) -> tuple[int, int]:
 def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o [Tq, HQ, D] fp32, Stats(m2, log2_l) [HQ, Tq])``,
     the softmax over keys with its statistics in base 2 (the kernels' row maximum of ``s * log2(e)``)."""
-    check_fp32_range(score_bound(q, k, softmax_scale), q, k)       # the kernels' scores are fp32
     D = q.shape[2]
     cu_seqlens_q, cu_seqlens_k = batch.cu_seqlens_q, batch.cu_seqlens_k
     q, k, v, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
@@ -144,15 +148,19 @@ def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial)
     delta = buffers.new((HQ, Tq), torch.float32, q.device)
     if dlse is not None:
         dlse = dlse.float()
-    exact_delta = not partial and may_have_large_scores(q, k, softmax_scale)
+    exact = large_scores_flag(q, k, softmax_scale)       # on the device, read by the dQ kernels
+    if partial:                                          # the rows' other keys are elsewhere: Delta from o
+        exact = torch.zeros_like(exact)
     chip, compensated, upcast = config.chip_for(q.device), _compensated(q.dtype), _upcast(q.dtype)
-    if Tq > 0 and not exact_delta:
+    if Tq > 0:
         launch.delta(o, do, dlse, delta, chip)()
     max_q, max_k = _max_lens(q, k, batch)
     tensors = (q, k, v, do, m2, log2_l)
-    if N > 0 and Tq > 0:     # first: with exact_delta it writes the Delta that dK/dV reads
+    for exact_delta in (False, True) if N > 0 and Tq > 0 else ():
+        # the one whose exact_delta matches the flag computes dq; before dK/dV, as the exact one
+        # writes the Delta that dK/dV reads
         launch.dq(*tensors, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_q, chip,
-                  compensated, upcast, exact_delta)()
+                  compensated, upcast, exact, exact_delta)()
     if N > 0 and Tk > 0:
         launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_k, chip,
                     compensated, upcast)()

@@ -376,7 +376,7 @@ def _dq_block(dq, delta, q, do, m2, log2_l, K, V, k0, n, pos, Lq, Lk, kvh, strid
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
-def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
+def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, EXACT, DQ, CU_Q, CU_K,
               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
               stride_lh, stride_dqt, stride_dqh, scale_log2, softmax_scale, left, right, G, GH, N, HT, NB,
               chunk, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -386,9 +386,20 @@ def dq_kernel(Q, K, V, DO, M2, L2, DLSE, DELTA, DQ, CU_Q, CU_K,
     over the visible key blocks, interior blocks first.
 
     With ``EXACT_DELTA`` a first pass over the same key blocks sums ``Delta = sum_j P dP - dlse``
-    from the very products the gradients use, and stores it for the dK/dV kernel (launched after):
-    one-hot rows then cancel exactly, at the cost of two more products per block.
+    from the very products the gradients use, and stores it over the Delta kernel's for the dK/dV
+    kernel (launched after) and dsinks: one-hot rows then cancel exactly, at the cost of two more
+    products per block. Without, the tile reads the Delta kernel's ``Delta = <dO, o> - dlse``.
+
+    Which of the two does the work is decided on the device: both are launched, and each program
+    first reads ``EXACT`` (int32 ``[1]``, 1 when scores may be large: ``scores.large_scores_flag``)
+    and returns at once unless it equals ``EXACT_DELTA``. (One kernel holding both ways, branching on
+    the flag or giving the first pass's loops trip counts by it, spilled fp16 tiles: docs/backends.md.)
     """
+    if EXACT_DELTA:
+        if tl.load(EXACT) == 0:
+            return
+    elif tl.load(EXACT) != 0:
+        return
     block, seq, ht = _lpt_program(chunk, N, HT, NB, CHUNK)
     q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
     pos, h, kvh, p0, PM = _packed_rows(block, ht, G, GH, Lq, BM)

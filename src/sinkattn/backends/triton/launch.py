@@ -101,16 +101,19 @@ def _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, s
 
 
 def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_q,
-       chip, compensated, upcast, exact_delta, blocks: Blocks | None = None) -> Launch:
-    """``dq [Tq, HQ, D]`` fp32; with ``exact_delta`` it also writes ``delta`` (``- dlse`` when given),
-    which the dK/dV kernel then reads; without, it reads the Delta kernel's."""
+       chip, compensated, upcast, exact, exact_delta, blocks: Blocks | None = None) -> Launch:
+    """``dq [Tq, HQ, D]`` fp32, computed where the device flag ``exact`` (int32 ``[1]``,
+    ``scores.large_scores_flag``) equals ``exact_delta``; elsewhere every program returns at once.
+    With ``exact_delta`` it also writes ``delta`` (``- dlse`` when given) over the Delta kernel's, which
+    the dK/dV kernel then reads; without, it reads the Delta kernel's."""
     HKV, N, D = k.shape[1], cu_seqlens_q.numel() - 1, q.shape[2]
     b = blocks or blocks_for(chip, "dq", D, q.dtype)
     grid = _packed_grid(q.shape[1] // HKV, HKV, N, max_q, b)
     args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
-    args.update(DLSE=dlse if dlse is not None else delta, DQ=dq, stride_dqt=dq.stride(0), stride_dqh=dq.stride(1),
-                **grid, BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast),
-                EXACT_DELTA=exact_delta, HAS_DLSE=exact_delta and dlse is not None)
+    args.update(DLSE=dlse if dlse is not None else delta, EXACT=exact, DQ=dq, stride_dqt=dq.stride(0),
+                stride_dqh=dq.stride(1), **grid, BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN,
+                **_numerics(q.dtype, compensated, upcast), EXACT_DELTA=exact_delta,
+                HAS_DLSE=exact_delta and dlse is not None)
     return Launch(kernels.dq_kernel, args, b, programs=grid["NB"] * N * grid["HT"])
 
 
