@@ -19,7 +19,8 @@ import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS", "AUTOCAST_DTYPE"]
+__all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS", "AUTOCAST_DTYPE", "PrecisionCase",
+           "PRECISION", "precision_inputs", "spawn_precision"]
 
 SHAPE = dict(B=2, S=32, HQ=4, HKV=2, D=8)
 LENGTHS = (16, 0, 8, 8, 40)       # a packed batch (8, 8: one run of two); every length divisible by 8
@@ -85,6 +86,91 @@ def inputs(case: CPCase, seed: int = 0) -> dict[str, torch.Tensor]:
     if case.autocast:             # a mix, as gpt-oss's rotary code leaves them under autocast
         x["v"] = x["v"].to(AUTOCAST_DTYPE)
     return x
+
+
+@dataclass(frozen=True)
+class PrecisionCase:
+    """A packed context-parallel call in one dtype, held to Gate A against the float64 golden (the same
+    standard as one process): ``lengths`` of the global packing (multiples of 2P), ``HQ``/``HKV``/``D``."""
+
+    dtype: str
+    method: str = "ring"
+    layout: str = "zigzag"
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    HQ: int = 4
+    HKV: int = 2
+    D: int = 64
+    seed: int = 0
+
+    def name(self, P: int) -> str:
+        mask = ("causal" if self.causal else "full") + ("" if self.window == (-1, -1) else f"-w{self.window[0]}")
+        return f"{self.dtype}-{self.method}-{self.layout}-{mask}-d{self.D}-seed{self.seed}-P{P}"
+
+    def lengths(self, P: int) -> tuple[int, ...]:
+        """Lengths near 64, 128, 32, rounded to multiples of 2P (a zigzag layout's chunks)."""
+        return tuple(2 * P * max(1, round(n / (2 * P))) for n in (64, 128, 32))
+
+
+PRECISION = [PrecisionCase(dtype, method, layout, causal, window, seed=seed, HQ=heads, HKV=heads // group)
+             for dtype in ("float16", "bfloat16", "float32")
+             for method, layout, causal, window, seed, heads, group in (
+                 ("ring", "zigzag", True, (-1, -1), 0, 4, 2), ("ring", "zigzag", True, (-1, -1), 1, 4, 2),
+                 ("ring", "contiguous", True, (23, 0), 0, 4, 2), ("ring", "zigzag", False, (-1, -1), 0, 4, 2),
+                 ("ulysses", "zigzag", True, (-1, -1), 0, 6, 1))]      # Ulysses: heads divisible by P = 2 and 3
+
+
+def precision_inputs(case: PrecisionCase, P: int) -> dict[str, torch.Tensor]:
+    """The full tensors of a precision case: q, k, v, dout in its dtype, sinks and dlse fp32."""
+    g = torch.Generator().manual_seed(case.seed)
+    T, dtype = sum(case.lengths(P)), getattr(torch, case.dtype)
+    x = dict(q=torch.randn(T, case.HQ, case.D, generator=g), k=torch.randn(T, case.HKV, case.D, generator=g),
+             v=torch.randn(T, case.HKV, case.D, generator=g), dout=torch.randn(T, case.HQ, case.D, generator=g))
+    x = {n: t.to(dtype) for n, t in x.items()}
+    x.update(sinks=torch.randn(case.HQ, generator=g), dlse=torch.randn(case.HQ, T, generator=g))
+    return x
+
+
+def _run_precision(case: PrecisionCase, P: int, cp) -> dict:
+    x, lengths = precision_inputs(case, P), case.lengths(P)
+    cu = _offsets(lengths)
+    q, k, v = (cp.shard_varlen(x[n], cu, layout=case.layout).requires_grad_() for n in "qkv")
+    sinks = x["sinks"].clone().requires_grad_()
+    out, lse = cp.sink_attn_varlen_func(q, k, v, cu, max(lengths), sinks=sinks, causal=case.causal,
+                                        window_size=case.window, return_lse=True, method=case.method,
+                                        layout=case.layout)
+    dout = cp.shard_varlen(x["dout"], cu, layout=case.layout)
+    dlse = cp.shard_varlen(x["dlse"].t(), cu, layout=case.layout).t()
+    torch.autograd.backward([out, lse], [dout, dlse])
+    full = dict(o=out, lse=lse.t(), dq=q.grad, dk=k.grad, dv=v.grad)
+    result = {n: cp.unshard_varlen(t.detach().contiguous(), cu, layout=case.layout) for n, t in full.items()}
+    result["lse"] = result["lse"].t()
+    dsinks = sinks.grad.clone()
+    dist.all_reduce(dsinks)
+    result["dsinks"] = dsinks
+    return result
+
+
+def _precision_worker(rank: int, P: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=60))
+    from .. import distributed as cp
+    results: dict = {"cases": {}, "failure": None}
+    try:
+        for case in PRECISION:
+            results["cases"][case.name(P)] = _run_precision(case, P, cp)
+    except Exception:             # noqa: BLE001 - reported to the test process
+        results["failure"] = traceback.format_exc()
+    if rank == 0:
+        torch.save(results, os.path.join(folder, "precision.pt"))
+    dist.destroy_process_group()
+
+
+def spawn_precision(P: int, folder: str, timeout: float = 300.0) -> dict:
+    """Run ``PRECISION`` on P gloo ranks: the gathered full results of every case, by ``case.name(P)``."""
+    _join(mp.spawn(_precision_worker, args=(P, folder), nprocs=P, join=False), P, timeout)
+    return torch.load(os.path.join(folder, "precision.pt"), weights_only=False)
 
 
 def _offsets(lengths) -> torch.Tensor:
@@ -233,11 +319,14 @@ def _worker(rank: int, P: int, folder: str, names: list[str] | None) -> None:
 
 def spawn(P: int, folder: str, names: list[str] | None = None, timeout: float = 240.0) -> list[dict]:
     """Run the cases (all, or those named) on P gloo ranks; every rank's results, in rank order."""
-    context = mp.spawn(_worker, args=(P, folder, names), nprocs=P, join=False)
+    _join(mp.spawn(_worker, args=(P, folder, names), nprocs=P, join=False), P, timeout)
+    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(P)]
+
+
+def _join(context, P: int, timeout: float) -> None:
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     while not context.join(timeout=1.0):
         if datetime.datetime.now() > deadline:
             for process in context.processes:
                 process.kill()
             raise TimeoutError(f"the {P} context-parallel ranks did not finish within {timeout:.0f} s (a hang?)")
-    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(P)]
