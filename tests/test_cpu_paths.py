@@ -126,20 +126,6 @@ def test_batched_runs_of_blocks_match_the_golden(window, B):
     assert result.passed, describe(result)
 
 
-@pytest.mark.parametrize("Lq,Lk", [(139, 169), (64, 256), (169, 169), (169, 139)])
-def test_causal_rows_with_more_keys_than_queries_keep_their_precision(Lq, Lk):
-    """Sharp scores (bound ~200, below the exact-Delta threshold) on one causal sequence with Lq < Lk,
-    where a merge of partial results over the keys used to round ``lse`` at ``ulp(|lse|)``: every
-    gradient passes Gate A and stays within Gate B's factor of eager fp32 attention."""
-    for seed in range(4):
-        case = cases.Case("L2", 2, 2, (Lq,), (Lk,), D=2, dtype=torch.float32, score_bound=200.0, seed=seed)
-        result = verify.run_case(case, "cpu", gate_b=True)
-        assert result.passed, describe(result)
-        for r in result.reports:
-            if r.name in ("o", "lse", "dq", "dk", "dv"):
-                assert r.gate_b, (seed, r.as_dict())
-
-
 def test_reference_backend_matches_the_golden_through_the_protocol():
     case = cases.Case("L2", 4, 2, (30, 0, 17), (40, 5, 17), D=8, dtype=torch.float32, causal=True, lse_grad=True)
     result = verify.run_case(case, "reference")

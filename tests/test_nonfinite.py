@@ -221,3 +221,104 @@ def test_triton_inf_score_gives_lse_inf():
     for g, gd in zip(got[:2], gold[:2]):
         assert torch.equal(torch.isnan(g), torch.isnan(gd)) and torch.equal(torch.isinf(g), torch.isinf(gd))
         assert torch.equal(g[torch.isinf(g)], gd[torch.isinf(gd)])
+
+
+BAD_ROW, BAD_QHEAD = 16, 3          # query token 4 of the third sequence, query head 3 (KV head 1)
+
+
+def _run_nan_q(backend, lens, left, right, device="cpu"):
+    q, k, v, sinks, do, dlse, cu = (x.to(device) for x in _batch(lens, "v", 0.5, 1.0))
+    q[BAD_ROW, BAD_QHEAD, BAD_DIM] = float("nan")
+    leaves = [x.requires_grad_() for x in (q, k, v, sinks)]
+    with buffers.poisoned():
+        out, lse = sinkattn.sink_attn_varlen_func(*leaves[:3], cu, cu, max(lens), max(lens), sinks=leaves[3],
+                                                  window_size=(left, right), return_lse=True, backend=backend)
+        grads = torch.autograd.grad([out, lse], leaves, [do, dlse])
+    return [t.detach().cpu() for t in (out, lse, *grads)]
+
+
+def _predicted_nan_q(lens, left, right):
+    """A NaN in ``q_i`` (query head ``h``): the formula's terms holding it are row i's scores, so ``o_i``,
+    ``lse_i``, ``dq_i`` of head ``h``, the ``dk``/``dv`` of the keys row i sees (KV head ``h // G``) and
+    ``dsink_h``; nothing else."""
+    T = sum(lens)
+    start = max(s for s in torch.tensor([0, *lens]).cumsum(0).tolist()[:-1] if s <= BAD_ROW)
+    L = next(n for s, n in zip(torch.tensor([0, *lens]).cumsum(0).tolist(), lens) if s == start)
+    sees = masks.visible(torch.tensor([BAD_ROW - start]), torch.arange(L), L, L, left, right)[0]   # [L]
+    row = torch.zeros(T, HQ, dtype=torch.bool)
+    row[BAD_ROW, BAD_QHEAD] = True
+    keys = torch.zeros(T, HKV, dtype=torch.bool)
+    keys[start:start + L, BAD_QHEAD // G] = sees
+    dsinks = torch.zeros(HQ, dtype=torch.bool)
+    dsinks[BAD_QHEAD] = True
+    return [row[..., None].expand(T, HQ, D), row.t(), row[..., None].expand(T, HQ, D),
+            keys[..., None].expand(T, HKV, D), keys[..., None].expand(T, HKV, D), dsinks]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_nan_in_q_reaches_exactly_its_row_and_the_keys_it_sees(backend, layout):
+    lens, (left, right) = LAYOUTS[layout]
+    got = _run_nan_q(backend, lens, left, right)
+    for name, g, want in zip(NAMES, got, _predicted_nan_q(lens, left, right)):
+        assert torch.equal(~torch.isfinite(g), want), f"{name}: not finite where the formula says finite, or reverse"
+    if backend == "cpu":
+        gold = _run_nan_q("reference", lens, left, right)
+        for name, g, gd in zip(NAMES, got, gold):
+            assert precision.check(name, g, gd, dtype=torch.float32).gate_a, name
+
+
+@pytest.mark.parametrize("layout", ["window", "long-window"])
+def test_triton_nan_in_q_stays_in_its_sequence_and_kv_head(layout):
+    """``triton`` forms products over whole tiles: a NaN in ``q_i`` gives the formula's NaN (at least), and
+    reaches beyond it only the ``dk``/``dv`` of keys of its own sequence and KV head (the dK/dV tiles that
+    visit its row block); ``o``, ``lse``, ``dq`` and ``dsinks`` are exactly the formula's."""
+    lens, (left, right) = LAYOUTS[layout]
+    got = _run_nan_q("triton", lens, left, right, device=DEVICE)
+    exact = _predicted_nan_q(lens, left, right)
+    T = sum(lens)
+    start = max(s for s in torch.tensor([0, *lens]).cumsum(0).tolist()[:-1] if s <= BAD_ROW)
+    L = next(n for s, n in zip(torch.tensor([0, *lens]).cumsum(0).tolist(), lens) if s == start)
+    may = torch.zeros(T, HKV, D, dtype=torch.bool)
+    may[start:start + L, BAD_QHEAD // G] = True
+    for name, g, want in zip(NAMES, got, exact):
+        bad = ~torch.isfinite(g)
+        if name in ("dk", "dv"):
+            assert not (want & ~bad).any() and not (bad & ~may).any(), name
+        else:
+            assert torch.equal(bad, want), name
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_nan_sink_leaves_rows_without_keys_at_zero(backend, grad):
+    """One rule for a row that sees no key, whatever its sink: ``o = 0`` and zero gradients, ``lse`` = its
+    sink (NaN for a NaN sink); a NaN sink makes NaN the rows of its head that see a key, ``dsinks`` of
+    that head, and nothing of another head."""
+    device = DEVICE if backend == "triton" else "cpu"
+    lens_q, lens_k = [6, 20, 3], [2, 20, 0]          # rows 0-3 of the first sequence and the last sequence: no key
+    g = torch.Generator().manual_seed(2)
+    Tq, Tk = sum(lens_q), sum(lens_k)
+    q, do = torch.randn(Tq, HQ, D, generator=g), torch.randn(Tq, HQ, D, generator=g)
+    k, v = torch.randn(Tk, HKV, D, generator=g), torch.randn(Tk, HKV, D, generator=g)
+    sinks = torch.randn(HQ, generator=g)
+    sinks[1] = float("nan")
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (lens_q, lens_k))
+    leaves = [x.to(device).requires_grad_(grad) for x in (q, k, v, sinks)]
+    with buffers.poisoned(), torch.set_grad_enabled(grad):
+        out, lse = sinkattn.sink_attn_varlen_func(*leaves[:3], cu_q.to(device), cu_k.to(device), 20, 20,
+                                                  sinks=leaves[3], causal=True, return_lse=True, backend=backend)
+        grads = torch.autograd.grad(out, leaves, do.to(device)) if grad else ()
+    out, lse = out.cpu(), lse.cpu()
+    keyless = torch.zeros(Tq, dtype=torch.bool)
+    keyless[:4] = True
+    keyless[26:] = True
+    assert (out[keyless] == 0).all()
+    assert torch.isnan(lse[1, keyless]).all() and torch.equal(lse[[0, 2, 3]][:, keyless], sinks[[0, 2, 3], None]
+                                                              .expand(3, int(keyless.sum())))
+    assert torch.isnan(out[~keyless, 1]).all() and torch.isfinite(out[:, [0, 2, 3]]).all()
+    if grad:
+        dq, dk, dv, dsinks = (x.cpu() for x in grads)
+        assert (dq[keyless] == 0).all() and torch.isnan(dq[~keyless, 1]).all()
+        assert torch.isfinite(dq[:, [0, 2, 3]]).all() and torch.isfinite(dk[:, 1]).all()
+        assert torch.isnan(dsinks[1]) and torch.isfinite(dsinks[[0, 2, 3]]).all()

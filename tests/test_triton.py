@@ -13,6 +13,8 @@ from sinkattn import masks, sink_attn_varlen_func
 from sinkattn.testing import cases, verify
 from sinkattn.backends import triton as triton_backend
 from sinkattn.backends.triton import config, kernels, schedule
+from sinkattn.backends.capabilities import Batch
+from sinkattn.backends import buffers
 from sinkattn.testing import triton_audit
 from conftest import DEVICE, describe
 
@@ -112,22 +114,22 @@ def test_compensated_flag_must_be_a_bool(monkeypatch):
     assert result.error is not None and result.error.startswith("TypeError") and "COMPENSATED" in result.error
 
 
-@pytest.mark.parametrize("bounds", [(9, 9), (9 + 64, 9 + 130)], ids=["exact", "over-estimated"])
-def test_launch_sized_by_max_seqlen_equals_reading_cu_seqlens(bounds):
-    """Given ``max_seqlen``, the launchers size their grids from it instead of copying ``cu_seqlens``
-    to the host; blocks past a sequence's end (a bound that over-estimates) must write nothing."""
+def test_launch_sized_by_a_loose_max_seqlen_equals_a_tight_one():
+    """The launchers size their grids from ``max_seqlen`` (never a copy of ``cu_seqlens`` to the host);
+    blocks past a sequence's end (a bound that over-estimates) must write nothing."""
     torch.manual_seed(0)
     lens, HQ, HKV, D = [5, 0, 9], 4, 2, 16
     cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(lens), HQ, D, device=DEVICE)
     k, v = torch.randn(2, sum(lens), HKV, D, device=DEVICE)
-    sinks, do, dlse = torch.randn(HQ, device=DEVICE), torch.randn_like(q), torch.randn(HQ, sum(lens), device=DEVICE)
+    do, dlse = torch.randn_like(q), torch.randn(HQ, sum(lens), device=DEVICE)
     results = []
-    for max_seqlen in (None, bounds):
-        out, lse, extra = triton_backend.forward(q, k, v, sinks, cu, cu, 0.3, 3, 0, max_seqlen=max_seqlen)
-        grads = triton_backend.backward(do, dlse, q, k, v, sinks, out, lse, cu, cu, 0.3, 3, 0, extra,
-                                        max_seqlen=max_seqlen)
-        results.append([out, lse, *grads])
+    for bounds in ((9, 9), (9 + 64, 9 + 130)):
+        batch, window = Batch(cu, cu, *bounds), masks.Window(3, 0)
+        with buffers.poisoned():
+            out, stats = triton_backend.forward(q, k, v, batch, window, 0.3, True)
+            grads = triton_backend.backward(do, dlse, q, k, v, out, stats, None, batch, window, 0.3, False)
+        results.append([out, *stats, *grads])
     assert not any(t.isnan().any() for t in results[1])
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
@@ -267,12 +269,13 @@ def test_the_device_flag_picks_the_dq_kernel_that_works():
     cu = torch.tensor([0, 11, 11, 30], dtype=torch.int32, device=DEVICE)
     q, do = torch.randn(30, HQ, D, device=DEVICE), torch.randn(30, HQ, D, device=DEVICE)
     k, v = torch.randn(2, 30, HKV, D, device=DEVICE)
-    sinks, dlse = torch.randn(HQ, device=DEVICE), torch.randn(HQ, 30, device=DEVICE)
-    with buffers.poisoned():
-        out, lse, (m2, log2_l) = triton_backend.forward(q, k, v, sinks, cu, cu, scale, left, right, (19, 19))
-    gold_o, _ = reference.forward(q, k, v, sinks, cu, cu, scale, left, right)
+    dlse = torch.randn(HQ, 30, device=DEVICE)
+    with buffers.poisoned():                 # no sinks: the backend's statistics over the keys are final
+        out, (m2, log2_l) = triton_backend.forward(q, k, v, Batch(cu, cu, 19, 19), masks.Window(left, right), scale,
+                                                   True)
+    gold_o, _ = reference.forward(q, k, v, None, cu, cu, scale, left, right)
     gold_delta = torch.linalg.vecdot(do.double(), gold_o).t() - dlse.double()
-    gold_dq = reference.backward(do, dlse, q, k, v, sinks, cu, cu, scale, left, right)[0]
+    gold_dq = reference.backward(do, dlse, q, k, v, None, cu, cu, scale, left, right)[0]
     delta = torch.full((HQ, 30), float("nan"), device=DEVICE)
     launch.delta(out, do, dlse, delta, None)()
     from_delta_kernel = delta.clone()

@@ -141,11 +141,11 @@ def _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k,
         batch = Batch(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     window = Window(left, right).folded(max_seqlen_q, max_seqlen_k)
     dlse, m, log_l = contiguous(dlse, m, log_l)
+    stats = sink.Stats(m, log_l)
     with autocast.disabled(q.device):
-        dq, dk, dv, delta = impl.backward(do, dlse, q, k, v, o, sink.Stats(m, log_l), batch, window, softmax_scale,
-                                          partial)
-        dsinks = sink.dsinks_from(sinks, sink.Stats(m, log_l), delta, caps.base2) if sinks is not None else (
-            q.new_empty((0,)))
+        mass = sink.sink_mass(sinks, stats, caps.base2) if sinks is not None else None
+        dq, dk, dv, delta = impl.backward(do, dlse, q, k, v, o, stats, mass, batch, window, softmax_scale, partial)
+        dsinks = sink.dsinks_from(sinks, mass, delta) if sinks is not None else q.new_empty((0,))
     return contiguous(*(g.to(x.dtype).view(shape) for g, x, shape in zip((dq, dk, dv), (q, k, v), shapes)), dsinks)
 
 

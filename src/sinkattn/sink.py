@@ -27,7 +27,7 @@ A part without keys (``log_l = -inf``) adds nothing to ``o``, whatever the other
 that sees no key has ``o = 0``, and ``lse = sink_h`` (NaN for a NaN sink); a ``+inf`` sink takes all
 the mass (``o = 0``, ``lse = +inf``); a NaN sink makes ``o`` NaN on every row of its head that sees a
 key. The backward uses the final statistics and, per row, ``Delta = <dO, o> - dlse`` (``row_delta``);
-``dsinks_from`` is the sink's gradient.
+``sink_mass`` is the sink's probability per row and ``dsinks_from`` the sink's gradient.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Stats", "merge", "with_sink", "lse_of", "row_delta", "dsinks_from", "LOG2E", "LN2"]
+__all__ = ["Stats", "merge", "with_sink", "lse_of", "row_delta", "sink_mass", "dsinks_from", "LOG2E", "LN2"]
 
 LOG2E = 1.4426950408889634
 """log2(e): a natural-log value times it is the same value in base 2."""
@@ -116,11 +116,24 @@ def row_delta(do: torch.Tensor, o: torch.Tensor, dlse: torch.Tensor | None) -> t
     return delta
 
 
-def dsinks_from(sinks: torch.Tensor, stats: Stats, delta: torch.Tensor, base2: bool = False) -> torch.Tensor:
-    """``[HQ]`` in the sinks' dtype: ``-sum_rows exp(sink - lse) * Delta``, fp32, one fixed order, the sink's
-    probability formed from the final ``stats`` (``(sink - m) - log_l``: no ``lse`` rounded at ``ulp(|lse|)``);
-    a row whose ``lse`` is infinite (a ``+inf`` sink, or no key and no sink) adds 0."""
+def sink_mass(sinks: torch.Tensor, stats: Stats, base2: bool = False) -> torch.Tensor:
+    """``[HQ, T]`` fp32: ``exp(sink - lse)``, the sink's probability in each row, formed from the final
+    ``stats`` (``(sink - m) - log_l``: no ``lse`` rounded at ``ulp(|lse|)``); 0 where ``lse`` is infinite
+    (a ``+inf`` sink, or no key and no sink)."""
     sink = sinks.float().unsqueeze(-1)
     sink = sink * LOG2E if base2 else sink
-    mass = torch.where(torch.isinf(stats.m + stats.log_l), 0.0, _exp(sink - stats.m - stats.log_l, base2))
-    return (-(mass * delta).sum(-1)).to(sinks.dtype)
+    return torch.where(torch.isinf(stats.m + stats.log_l), 0.0, _exp(sink - stats.m - stats.log_l, base2))
+
+
+def dsinks_from(sinks: torch.Tensor, mass: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``[HQ]`` in the sinks' dtype: ``-sum_rows mass * Delta`` (``mass = sink_mass(...)``), fp32, summed in
+    blocks of ``SUM_BLOCK`` rows, then over the blocks: one order whatever the thread count (a single long
+    sum is split between threads, and its rounding with it)."""
+    terms = mass * delta                                                        # [HQ, T]
+    pad = -terms.shape[-1] % SUM_BLOCK
+    blocks = torch.nn.functional.pad(terms, (0, pad)).view(terms.shape[0], -1, SUM_BLOCK)
+    return (-blocks.sum(-1).sum(-1)).to(sinks.dtype)
+
+
+SUM_BLOCK = 4096
+"""Rows per partial sum of ``dsinks_from``."""

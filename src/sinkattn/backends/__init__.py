@@ -2,7 +2,7 @@
 
     forward(q, k, v, batch, window, softmax_scale, needs_grad)
         -> (o, Stats) or None
-    backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial)
+    backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial)
         -> (dq, dk, dv, delta)
 
 The forward computes the softmax over each row's visible keys only, **without** the sink:
@@ -14,7 +14,8 @@ which returns ``o [B, Sq, HQ, D]`` and ``Stats [HQ, B*Sq]``, or None to have it 
 ``needs_grad``: the backward will follow (a backend may take a faster forward otherwise).
 
 The backward gets the final results of the rows: ``o`` and ``stats`` with the sink and every key of
-the row included, ``do`` in q's dtype, ``dlse [HQ, Tq]`` or None. It returns fp32 (float64 for
+the row included, ``sink_mass [HQ, Tq]`` (the sink's probability per row, ``sink.sink_mass``) or None
+without sinks, ``do`` in q's dtype, ``dlse [HQ, Tq]`` or None. It returns fp32 (float64 for
 ``reference``) ``dq``, ``dk``, ``dv`` shaped like q, k, v, and the ``Delta [HQ, Tq] = <dO, o> - dlse``
 it used (the sink's gradient is formed from it once, in ``sinkattn.ops``). ``partial``: the call
 holds only some of its rows' keys (a context-parallel tile), so ``Delta`` must come from ``o``.

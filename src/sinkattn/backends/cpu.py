@@ -95,7 +95,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     return out, sink.Stats(m, log_l)
 
 
-def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial):
+def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
     """``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, the forward's inputs, the final fp32 ``o`` and
     ``stats`` -> ``(dq, dk, dv)`` fp32 and ``delta [HQ, Tq]``. The tiles are the forward's. ``Delta`` is
     summed from the products themselves (``cpu_tiles.backward``), or, when the call holds only some keys
@@ -109,8 +109,8 @@ def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial)
     dv = buffers.new(v.shape, torch.float32, q.device)
     inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0
     for path, sequences in ((cpu_tiles, parts.runs), (cpu_small, parts.small)):
-        path.backward(do32, q32, k32, v32, stats.m, inv_l, delta, dlse, sequences, dq, dk, dv, softmax_scale, window,
-                      literal, exact=not partial)
+        path.backward(do32, q32, k32, v32, stats.m, inv_l, delta, dlse, sink_mass, sequences, dq, dk, dv,
+                      softmax_scale, window, literal, exact=not partial)
     if parts.keys_only is not None:        # keys of sequences without queries: no row sees them
         unseen = layout.token_ranges(parts.keys_only.tk, parts.keys_only.Lk)
         dk.index_fill_(0, unseen, 0.0)

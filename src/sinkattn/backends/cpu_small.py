@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
-from .cpu_tiles import block_forward, block_gradients, block_probabilities, row_sums
+from .cpu_tiles import (Dominant, block_forward, block_gradients, block_probabilities, row_scale, row_sums,
+                        score_scale)
 from .layout import Sequences, token_ranges
 
 __all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH", "SLAB_ELEMENTS"]
@@ -165,6 +166,11 @@ def _group_mask(mask: torch.Tensor, G: int) -> torch.Tensor:
     return mask.repeat(1, G, 1)[:, None]
 
 
+def _scaled(rows: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    scale = row_scale(softmax_scale)
+    return rows if scale is None else rows.mul_(scale)
+
+
 def forward(q, k, v, small, out, m, log_l, softmax_scale, window, literal=False):
     """Fill fp32 ``out [Tq, HQ, D]`` (the softmax over keys) and ``m``/``log_l [HQ, Tq]`` on the rows of the
     small sequences (``layout.Split.small``), as ``cpu_tiles.forward`` does. A sequence's values depend on
@@ -172,33 +178,43 @@ def forward(q, k, v, small, out, m, log_l, softmax_scale, window, literal=False)
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
     for batch in _batches(small, HQ, HKV, *window):
-        o, mb, lb = block_forward(batch.queries(q).mul_(softmax_scale),
-                                  [(batch.keys(k), batch.keys(v), _group_mask(batch.mask, G), literal)])
+        o, mb, lb = block_forward(_scaled(batch.queries(q), softmax_scale),
+                                  [(batch.keys(k), batch.keys(v), _group_mask(batch.mask, G), literal)],
+                                  score_scale(softmax_scale))
         batch.put_queries(out, o)
         batch.put_stat(m, mb.squeeze(-1))
         batch.put_stat(log_l, lb.squeeze(-1))
 
 
-def backward(do, q, k, v, m, inv_l, delta, dlse, small, dq, dk, dv, softmax_scale, window, literal=False,
+def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, small, dq, dk, dv, softmax_scale, window, literal=False,
              exact=False):
     """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of the small sequences from the final statistics
     (``m``, ``inv_l = 1 / l``) and ``delta``, all ``[HQ, Tq]``; ``exact`` as in ``cpu_tiles.backward``
     (each bucket is one tile: its products give ``Delta`` at no extra cost)."""
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
+    post = score_scale(softmax_scale)
     for batch in _batches(small, HQ, HKV, *window):
-        qs, dos, kb, mask = batch.queries(q).mul_(softmax_scale), batch.queries(do), batch.keys(k), (
+        qs, dos, kb, mask = _scaled(batch.queries(q), softmax_scale), batch.queries(do), batch.keys(k), (
             _group_mask(batch.mask, G))
         p, dp = block_probabilities(qs, kb, batch.keys(v), dos, batch.stat(m)[..., None], batch.stat(inv_l)[..., None],
-                                    mask, literal)
+                                    mask, literal, post)
+        dominant, dl = None, batch.stat(dlse)[..., None] if dlse is not None else None
         if exact:
             db = row_sums(p, dp)
-            if dlse is not None:
-                db = db.sub_(batch.stat(dlse)[..., None])
+            if dl is not None:
+                db = db.sub_(dl)
             batch.put_stat(delta, db.squeeze(-1))
+            if not literal:             # non-finite inputs: the formula's terms as they are
+                dominant = Dominant()
+                dominant.see(p, 0)
         else:
             db = batch.stat(delta)[..., None]
         dq_s, dk_b, dv_b = block_gradients(p, dp, db, qs, kb, dos, mask, literal)
+        if dominant is not None:
+            dominant.add(dp)                            # dp holds dS now
+            sink_b = batch.stat(sink_mass)[..., None] if sink_mass is not None else None
+            dominant.apply(dominant.correction(sink_b, db, dl), qs, kb, dq_s, dk_b)
         batch.put_queries(dq, dq_s.mul_(softmax_scale))
-        batch.put_keys(dk, dk_b)
+        batch.put_keys(dk, dk_b if post is None else dk_b.mul_(post))
         batch.put_keys(dv, dv_b)

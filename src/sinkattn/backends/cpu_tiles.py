@@ -5,7 +5,7 @@ A tile is ``R`` query positions of one run of equal-length sequences, with all `
 each KV head stacked as rows (``stack_group``: K/V chunks serve the whole group), against a chunk of
 at most ``BN`` of the keys those rows see. Per row block, over its chunks in order:
 
-    S  = (scale Q_blk) K_c^T                     [N, HKV, G*R, C]   (-inf where not visible)
+    S  = scale (Q_blk K_c^T)                     [N, HKV, G*R, C]   (-inf where not visible)
     forward (online):  m = max(m, max_j S),  l = l e^(m_old - m) + sum_j e^(S - m),
                        acc = acc e^(m_old - m) + e^(S - m) V_c
                        -> o_keys = acc / l, Stats(m, log l)           (the softmax over keys, no sink)
@@ -13,12 +13,19 @@ at most ``BN`` of the keys those rows see. Per row block, over its chunks in ord
                        P = e^(S - m) / l,  dP = dO V_c^T,  dS = P (dP - Delta)
                        dq += dS K_c,  dk_c += dS^T (scale Q),  dv_c += P^T dO
 
+Scores are rounded as eager attention rounds them, the products and then the scale: ``Q`` is scaled
+before its products only where that is exact (a power-of-two scale, e.g. ``1/8`` at ``D = 64``), which
+saves a pass over the scores. A query whose products cancel to a small score carries their rounding
+(``eps |q_d k_d|``, far above ``ulp(S)``) into its softmax; rounding ``scale Q`` first would add as
+much again, with other bits than the eager computation that Gate B compares against.
+
 Exponentials (``_exp_shifted_``) take ``S - m`` floored at ``EXP_FLOOR``: below it ``exp`` underflows
 through fp32's subnormals, where PyTorch's CPU kernel takes a path ten times slower (most of a row
-of sharp attention, and every masked ``-inf``); the floor's ``e^-87 = 1.6e-38`` is 0 next to any
-sum of probabilities (each row has a term of ``e^0 = 1``). ``exp`` and not ``exp2``: PyTorch's ``exp``
-gives the same bits in its vector and scalar loops, ``exp2`` does not (its last elements and the
-elements at thread boundaries would change with the tensor's size and the thread count).
+of sharp attention, and every masked ``-inf``); the floor's value ``e^-87`` is subtracted again, so
+that what lies below it is 0 (fp32 holds less than 1.6e-38 there anyway, as a subnormal).
+``exp`` and not ``exp2``: PyTorch's ``exp`` gives the same bits in its vector and scalar loops,
+``exp2`` does not (its last elements and the elements at thread boundaries would change with the
+tensor's size and the thread count).
 
 The backward recomputes ``S`` with the very products of the forward, so ``S - m`` is exactly what
 the forward exponentiated: a row whose attention is one-hot gets ``P = 1/l`` from its own maximum,
@@ -34,14 +41,17 @@ Non-finite inputs (``literal``): products of a masked tile then keep a NaN or in
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import masks
 from .layout import Span, heads_first, stat_view, zero_unwritten
 from .nonfinite import visible_matmul
 
-__all__ = ["forward", "backward", "stack_group", "stacked_rows", "unstack_group", "block_forward",
-           "block_probabilities", "row_sums", "block_gradients",
+__all__ = ["forward", "backward", "stack_group", "stacked_rows", "unstack_group", "row_scale", "score_scale",
+           "block_forward",
+           "block_probabilities", "row_sums", "block_gradients", "Dominant",
            "rows_per_block", "BN", "TILE_ELEMENTS"]
 
 BN = 256
@@ -83,16 +93,29 @@ def stacked_rows(x: torch.Tensor, HKV: int, scale: float | None = None) -> torch
     return out
 
 
+def row_scale(scale: float) -> float | None:
+    """The factor applied to ``Q`` before its products: ``scale`` where that is exact (a power of two), else None."""
+    return scale if math.frexp(abs(scale))[0] == 0.5 else None
+
+
+def score_scale(scale: float) -> float | None:
+    """The factor applied to the products ``Q K^T`` (and to ``dK``): ``scale`` unless ``row_scale`` took it."""
+    return None if row_scale(scale) is not None else scale
+
+
 def unstack_group(x: torch.Tensor, HQ: int) -> torch.Tensor:
     """``[N, HKV, G*R, ...]`` -> ``[N, HQ, R, ...]``."""
     N, HKV, GR = x.shape[:3]
     return x.reshape(N, HQ, GR // (HQ // HKV), *x.shape[3:])
 
 
-def _scores(qs: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``S [N, HKV, M, C]`` fp32 from the scaled rows ``qs [N, HKV, M, D]`` and keys ``kb [N, HKV, C, D]``;
-    ``-inf`` where ``mask`` (bool, broadcastable) is False."""
+def _scores(qs: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """``S [N, HKV, M, C]`` fp32 from the rows ``qs [N, HKV, M, D]`` (scaled by ``row_scale``) and keys
+    ``kb [N, HKV, C, D]``, times ``scale`` (``score_scale``) if not None; ``-inf`` where ``mask`` (bool,
+    broadcastable) is False."""
     s = torch.matmul(qs, kb.transpose(-1, -2))
+    if scale is not None:
+        s.mul_(scale)
     if mask is not None:
         s.masked_fill_(~mask, _NEG_INF)
     return s
@@ -106,11 +129,15 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
 
 EXP_FLOOR = -87.0
 """The least exponent taken (``e^-87``, a normal fp32 number): see the module doc."""
+_AT_FLOOR = float(torch.tensor(EXP_FLOOR).exp())     # fp32's e^-87, as ``exp`` computes it
 
 
-def _exp_shifted_(s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``e^(S - c)`` in place, the exponent floored at ``EXP_FLOOR`` (NaN stays NaN)."""
-    return s.sub_(c).clamp_(min=EXP_FLOOR).exp_()
+def _exp_shifted_(s: torch.Tensor, c: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``e^(S - c) - e^EXP_FLOOR`` in place, the exponent floored at ``EXP_FLOOR``: exactly 0 at and below the
+    floor, and the subtraction is lost in the rounding of anything above ``1e-30`` (NaN stays NaN); exactly 0
+    where ``mask`` is False."""
+    p = s.sub_(c).clamp_(min=EXP_FLOOR).exp_().sub_(_AT_FLOOR)
+    return p if mask is None else p.masked_fill_(~mask, 0.0)
 
 
 def _pv(p, vb, mask, literal):
@@ -124,7 +151,7 @@ class _Online:
     def __init__(self, s: torch.Tensor, vb, mask, literal: bool):
         self.m = s.amax(-1, keepdim=True)
         self.c = _finite(self.m)
-        p = _exp_shifted_(s, self.c)
+        p = _exp_shifted_(s, self.c, mask)
         self.l = p.sum(-1, keepdim=True)
         self.acc = _pv(p, vb, mask, literal)
 
@@ -132,7 +159,7 @@ class _Online:
         m = torch.maximum(self.m, s.amax(-1, keepdim=True))
         c = _finite(m)
         alpha = torch.where(self.m == _NEG_INF, 0.0, torch.exp(self.c - c))   # nothing to rescale before a key
-        p = _exp_shifted_(s, c)
+        p = _exp_shifted_(s, c, mask)
         self.l = self.l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         self.acc = self.acc.mul_(alpha).add_(_pv(p, vb, mask, literal))
         self.m, self.c = m, c
@@ -143,12 +170,13 @@ class _Online:
         return self.acc.div_(self.l.clamp(min=1.0)), self.c, torch.log(self.l)
 
 
-def block_forward(qs, chunks):
-    """The softmax of rows ``qs [N, HKV, M, D]`` (scaled) over the chunks ``(kb, vb, mask, literal)`` in
-    order -> ``(o_keys [N, HKV, M, D], m [N, HKV, M, 1], log_l [N, HKV, M, 1])``."""
+def block_forward(qs, chunks, scale: float | None = None):
+    """The softmax of rows ``qs [N, HKV, M, D]`` (scaled by ``row_scale``; ``scale``: ``score_scale``) over
+    the chunks ``(kb, vb, mask, literal)`` in order
+    -> ``(o_keys [N, HKV, M, D], m [N, HKV, M, 1], log_l [N, HKV, M, 1])``."""
     state = None
     for kb, vb, mask, literal in chunks:
-        s = _scores(qs, kb, mask)
+        s = _scores(qs, kb, mask, scale)
         if state is None:
             state = _Online(s, vb, mask, literal)
         else:
@@ -156,16 +184,17 @@ def block_forward(qs, chunks):
     return state.result()
 
 
-def block_probabilities(qs, kb, vb, dos, m, inv_l, mask, literal: bool = False):
+def block_probabilities(qs, kb, vb, dos, m, inv_l, mask, literal: bool = False, scale: float | None = None):
     """One tile's ``(P, dP)`` ``[N, HKV, M, C]`` from the final statistics: ``P = e^(S - m) / l``, ``dP = dO V^T``.
 
-    ``qs``/``dos [N, HKV, M, D]`` (``qs`` scaled), ``kb``/``vb [N, HKV, C, D]``, ``m``/``inv_l [N, HKV, M, 1]``
-    (``inv_l = 1 / l``), ``mask`` bool broadcastable to ``[N, HKV, M, C]`` or None. ``literal``: both are 0
-    off the visible pairs, so that a NaN or inf there reaches no sum."""
-    p = _exp_shifted_(_scores(qs, kb, mask), m).mul_(inv_l)
+    ``qs``/``dos [N, HKV, M, D]`` (``qs`` and ``scale`` as in ``block_forward``), ``kb``/``vb [N, HKV, C, D]``,
+    ``m``/``inv_l [N, HKV, M, 1]`` (``inv_l = 1 / l``), ``mask`` bool broadcastable to ``[N, HKV, M, C]`` or
+    None. ``P`` is 0 off the visible pairs; ``literal``: ``dP`` too, so that a NaN or inf there reaches no sum."""
+    p = _exp_shifted_(_scores(qs, kb, mask, scale), m, None).mul_(inv_l)
+    if mask is not None:            # after the product: 0 even where a row's statistics are NaN
+        p.masked_fill_(~mask, 0.0)
     dp = torch.matmul(dos, vb.transpose(-1, -2))
     if literal and mask is not None:
-        p.masked_fill_(~mask, 0.0)
         dp.masked_fill_(~mask, 0.0)
     return p, dp
 
@@ -177,7 +206,8 @@ def row_sums(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
 
 def block_gradients(p, dp, delta, qs, kb, dos, mask, literal: bool = False):
     """One tile's gradient terms ``(dq_part, dk_part, dv_part)``: ``dS = P (dP - Delta)``, ``dq_part = dS K``
-    (unscaled), ``dk_part = dS^T qs``, ``dv_part = P^T dO``; ``dp`` is overwritten by ``dS``."""
+    (unscaled), ``dk_part = dS^T qs`` (unscaled by ``score_scale``), ``dv_part = P^T dO``; ``dp`` is
+    overwritten by ``dS``."""
     ds = dp.sub_(delta).mul_(p)
     if literal and mask is not None:
         ds.masked_fill_(~mask, 0.0)
@@ -185,6 +215,56 @@ def block_gradients(p, dp, delta, qs, kb, dos, mask, literal: bool = False):
         return (visible_matmul(ds, kb, mask), visible_matmul(ds.transpose(-1, -2), qs, mask_t),
                 visible_matmul(p.transpose(-1, -2), dos, mask_t))
     return torch.matmul(ds, kb), torch.matmul(ds.transpose(-1, -2), qs), torch.matmul(p.transpose(-1, -2), dos)
+
+
+DOMINANT_FROM = 0.5
+"""The least ``P`` of a row's largest key at which ``Dominant`` takes that key's ``dS`` from the identity."""
+
+
+class Dominant:
+    """Per row of a block: its key of largest ``P`` (the first on ties) and ``sum_j dS_ij``, to form that
+    key's ``dS`` from the others' (``correction``).
+
+    ``sum_j dS_ij + dS_sink = dlse_i`` holds exactly (the softmax's terms sum to one; the sink's
+    ``dS = -P_sink Delta``). A row whose attention sits all but ``1 - P < 2^-24`` on one key has that key's
+    ``P = 1`` in fp32 and ``dS = P (dP - Delta)`` rounded to noise, while the truth ``P (1 - P) dP`` is
+    carried by the other keys and the sink; eager attention recovers it through the gradient of its
+    max subtraction. Here the dominant key's ``dS`` is set to what the identity leaves for it, on rows where
+    it holds at least ``DOMINANT_FROM`` of the mass: the direct ``dS`` loses ``eps / (1 - P)`` to the
+    cancellation in ``dP - Delta``, the identity about ``eps`` of the other terms; below it, the direct
+    form is the better one."""
+
+    def __init__(self):
+        self.best = self.key = self.ds_sum = None
+
+    def see(self, p: torch.Tensor, first_key: int) -> None:
+        """One chunk's ``P [..., M, C]`` of keys ``first_key + [0, C)``."""
+        best, key = p.max(-1, keepdim=True)
+        key += first_key
+        if self.best is None:
+            self.best, self.key = best, key
+        else:
+            better = best > self.best
+            self.best, self.key = torch.where(better, best, self.best), torch.where(better, key, self.key)
+
+    def add(self, ds: torch.Tensor) -> None:
+        """One chunk's ``dS``."""
+        rows = ds.sum(-1, keepdim=True)
+        self.ds_sum = rows if self.ds_sum is None else self.ds_sum.add_(rows)
+
+    def correction(self, sink_mass: torch.Tensor | None, delta: torch.Tensor, dlse: torch.Tensor | None):
+        """``[..., M, 1]``: what to add to the dominant key's ``dS`` (0 on a row without keys)."""
+        target = torch.zeros_like(delta) if sink_mass is None else sink_mass * delta
+        if dlse is not None:
+            target = target + dlse
+        return torch.where(self.best >= DOMINANT_FROM, target - self.ds_sum, 0.0)
+
+    def apply(self, fix: torch.Tensor, qs: torch.Tensor, keys: torch.Tensor, dq_s: torch.Tensor,
+              dk: torch.Tensor) -> None:
+        """Add ``fix`` at the dominant keys: ``dq_s += fix K[key]``, ``dk[key] += fix qs`` (in row order)."""
+        index = self.key.expand(*self.key.shape[:-1], keys.shape[-1])
+        dq_s.add_(fix * keys.gather(-2, index))
+        dk.scatter_add_(-2, index, fix * qs)
 
 
 def _tiles(n: int, HQ: int, G: int, Lq: int, Lk: int, left: int, right: int):
@@ -219,9 +299,9 @@ def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window, literal:
         mg, lg = stat_view(m, run.tq, run.n, run.Lq), stat_view(log_l, run.tq, run.n, run.Lq)
         rows = Span()
         for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, *window):
-            qs = stacked_rows(qh[:, :, r0:r1], HKV, softmax_scale)
+            qs = stacked_rows(qh[:, :, r0:r1], HKV, row_scale(softmax_scale))
             o, mb, lb = block_forward(qs, ((kh[:, :, c0:c1], vh[:, :, c0:c1], mask, literal)
-                                           for c0, c1, mask in chunks))
+                                           for c0, c1, mask in chunks), score_scale(softmax_scale))
             rows.take(r0, r1)
             og[:, :, r0:r1] = unstack_group(o, HQ)
             mg[:, :, r0:r1] = unstack_group(mb.squeeze(-1), HQ)
@@ -230,8 +310,8 @@ def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window, literal:
         zero_unwritten(rows, run.Lq, lg, value=_NEG_INF)
 
 
-def backward(do, q, k, v, m, inv_l, delta, dlse, runs, dq, dk, dv, softmax_scale: float, window, literal: bool = False,
-             exact: bool = False):
+def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, runs, dq, dk, dv, softmax_scale: float, window,
+             literal: bool = False, exact: bool = False):
     """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of ``runs`` from fp32 ``do [Tq, HQ, D]``, the final
     statistics ``m``, ``inv_l = 1 / l`` and ``delta = <dO, o> - dlse``, all ``[HQ, Tq]``.
 
@@ -240,43 +320,53 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, runs, dq, dk, dv, softmax_scale
     reuses when the row block holds at most ``KEPT_ELEMENTS``), and written into ``delta``. ``dS`` then sums
     to exactly what the products give, as eager attention's softmax backward does: the rounding of
     ``<dO, o>`` against ``dP`` would otherwise reach ``dq`` and ``dk`` times the norm of the keys (with
-    sharp attention it is all of ``dS``)."""
+    sharp attention it is all of ``dS``). With it each row's dominant key takes its ``dS`` from the others'
+    (``Dominant``; ``sink_mass [HQ, Tq]``, the sink's probability per row, or None without sinks)."""
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
+    post = score_scale(softmax_scale)
     for run in runs:
         qh, kh, vh = _run_views(q, k, v, run)
         doh, dqg = heads_first(do, run.tq, run.n, run.Lq), heads_first(dq, run.tq, run.n, run.Lq)
         m_r, inv_l_r, delta_r = (stat_view(s, run.tq, run.n, run.Lq) for s in (m, inv_l, delta))
-        dlse_r = stat_view(dlse, run.tq, run.n, run.Lq) if dlse is not None else None
+        dlse_r, sink_r = (stat_view(s, run.tq, run.n, run.Lq) if s is not None else None for s in (dlse, sink_mass))
         dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
         rows = Span()
         for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, *window):
-            qs = stacked_rows(qh[:, :, r0:r1], HKV, softmax_scale)
+            qs = stacked_rows(qh[:, :, r0:r1], HKV, row_scale(softmax_scale))
             dos = stacked_rows(doh[:, :, r0:r1], HKV)
             mb, lb = (stack_group(s[:, :, r0:r1, None], HKV) for s in (m_r, inv_l_r))
             tiles = [(kh[:, :, c0:c1], vh[:, :, c0:c1], mask, c0, c1) for c0, c1, mask in chunks]
-            kept = None
+            kept = dominant = None
             if exact:
-                kept, sums = [], None
+                kept, sums, dominant = [], None, (None if literal else Dominant())
                 cache = qs.shape[:3].numel() * sum(t[0].shape[2] for t in tiles) <= KEPT_ELEMENTS
-                for kb, vb, mask, _, _ in tiles:
-                    pdp = block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal)
+                for kb, vb, mask, c0, _ in tiles:
+                    pdp = block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal, post)
                     sums = row_sums(*pdp) if sums is None else sums.add_(row_sums(*pdp))
+                    if dominant is not None:
+                        dominant.see(pdp[0], c0)
                     kept.append(pdp if cache else None)
-                db = sums if dlse_r is None else sums.sub_(stack_group(dlse_r[:, :, r0:r1, None], HKV))
+                dl = stack_group(dlse_r[:, :, r0:r1, None], HKV) if dlse_r is not None else None
+                db = sums if dl is None else sums.sub_(dl)
                 delta_r[:, :, r0:r1] = unstack_group(db.squeeze(-1), HQ)
             else:
                 db = stack_group(delta_r[:, :, r0:r1, None], HKV)
             dq_s = None
             for i, (kb, vb, mask, c0, c1) in enumerate(tiles):
                 pdp = kept[i] if kept is not None and kept[i] is not None else None
-                p, dp = pdp if pdp is not None else block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal)
+                p, dp = pdp if pdp is not None else block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal, post)
                 dq_c, dk_c, dv_c = block_gradients(p, dp, db, qs, kb, dos, mask, literal)
+                if dominant is not None:
+                    dominant.add(dp)                    # dp holds dS now
                 dq_s = dq_c if dq_s is None else dq_s.add_(dq_c)
                 dkh[:, :, c0:c1] += dk_c
                 dvh[:, :, c0:c1] += dv_c
+            if dominant is not None:
+                sink_b = stack_group(sink_r[:, :, r0:r1, None], HKV) if sink_r is not None else None
+                dominant.apply(dominant.correction(sink_b, db, dl), qs, kh, dq_s, dkh)
             rows.take(r0, r1)
             dqg[:, :, r0:r1] = unstack_group(dq_s.mul_(softmax_scale), HQ)
         zero_unwritten(rows, run.Lq, dqg)
-        heads_first(dk, run.tk, run.n, run.Lk).copy_(dkh)
+        heads_first(dk, run.tk, run.n, run.Lk).copy_(dkh if post is None else dkh.mul_(post))
         heads_first(dv, run.tk, run.n, run.Lk).copy_(dvh)

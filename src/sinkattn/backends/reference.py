@@ -31,7 +31,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     return o, sink.Stats(lse, torch.where(lse == _NEG_INF, _NEG_INF, 0.0))
 
 
-def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial):
+def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
     """``(dq, dk, dv)`` float64 and ``delta [HQ, Tq]`` float64."""
     delta = sink.row_delta(do.double(), o.double(), dlse).double()
     lse = stats.m.double() + stats.log_l.double()

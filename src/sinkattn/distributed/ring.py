@@ -196,7 +196,8 @@ class _Ring(torch.autograd.Function):
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             delta = sink.row_delta(dout, o, dlse)
-            dsinks = sink.dsinks_from(sinks, sink.Stats(m, log_l), delta, backends.describe(call.backend).base2)
+            mass = sink.sink_mass(sinks, sink.Stats(m, log_l), backends.describe(call.backend).base2)
+            dsinks = sink.dsinks_from(sinks, mass, delta)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dsinks, None, None, None
 
 

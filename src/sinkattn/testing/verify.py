@@ -18,7 +18,7 @@ from ..masks import Window
 from . import eager, precision
 from .cases import Case, Inputs
 
-__all__ = ["CaseResult", "run_case", "TENSORS"]
+__all__ = ["CaseResult", "run_case", "outputs", "eager_outputs", "golden", "TENSORS"]
 
 TENSORS = ("o", "lse", "dq", "dk", "dv", "dsinks")
 
@@ -48,7 +48,8 @@ def _backward(out, lse, x: Inputs, leaves):
     return torch.autograd.grad(outputs, leaves, grads)
 
 
-def _run_backend(case: Case, x: Inputs, backend: str):
+def outputs(case: Case, x: Inputs, backend: str):
+    """``[o, lse, dq, dk, dv, (dsinks)]`` from the public API on ``backend``, result buffers NaN-poisoned."""
     leaves = [t.detach().requires_grad_() for t in _leaves(x)]
     q, k, v = leaves[:3]
     sinks = leaves[3] if x.sinks is not None else None
@@ -60,7 +61,8 @@ def _run_backend(case: Case, x: Inputs, backend: str):
     return [out.detach(), lse.detach(), *grads]
 
 
-def _run_eager(case: Case, x: Inputs):
+def eager_outputs(case: Case, x: Inputs):
+    """``[o, lse, dq, dk, dv, (dsinks)]`` from eager attention (``testing.eager``) in the inputs' dtype."""
     leaves = [t.detach().requires_grad_() for t in _leaves(x)]
     q, k, v = leaves[:3]
     sinks = leaves[3] if x.sinks is not None else None
@@ -98,17 +100,17 @@ def run_case(case: Case, backend: str = "auto", gate_b: bool = False, repeats: i
     result = CaseResult(case, backend)
     x = case.make(device)
     try:
-        actual = _run_backend(case, x, backend)
+        actual = outputs(case, x, backend)
         if repeats > 1:
             result.deterministic = all(
-                all(_bitwise_equal(a, b) for a, b in zip(actual, _run_backend(case, x, backend)))
+                all(_bitwise_equal(a, b) for a, b in zip(actual, outputs(case, x, backend)))
                 for _ in range(repeats - 1))
     except (NotImplementedError, RuntimeError, ValueError, TypeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     gold = golden(case, x)
-    base = _run_eager(case, x) if gate_b else [None] * len(gold)
-    base32 = _run_eager(case, _as_fp32(x)) if case.spacing_limited else None
+    base = eager_outputs(case, x) if gate_b else [None] * len(gold)
+    base32 = eager_outputs(case, _as_fp32(x)) if case.spacing_limited else None
     for i, (name, a, g) in enumerate(zip(TENSORS, actual, gold)):
         dtype = torch.float32 if name == "lse" else a.dtype
         kind = "output" if i < 2 else "gradient"

@@ -132,7 +132,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     return _unpadded(out, D), sink.Stats(m2, log2_l)
 
 
-def backward(do, dlse, q, k, v, o, stats, batch, window, softmax_scale, partial):
+def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
     """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``delta [HQ, Tq]``, from the final ``o`` and base-2
     ``stats``. Unless ``partial``, large scores have the dQ kernel sum Delta from its own products."""
     D = q.shape[2]
