@@ -44,8 +44,9 @@ if not HAS_GPU:
 
 import triton  # noqa: E402
 
-from sinkattn import masks  # noqa: E402
+from sinkattn import masks, sink  # noqa: E402
 from sinkattn.backends import triton as triton_backend  # noqa: E402
+from sinkattn.backends.capabilities import Batch  # noqa: E402
 from sinkattn.backends.triton import config, launch, schedule  # noqa: E402
 from sinkattn.testing import bench, cases, verify  # noqa: E402
 
@@ -119,7 +120,7 @@ def environment(device: str) -> dict:
 def block_counts(report: Report, problems: dict) -> None:
     """Masked (cut) and unmasked (interior) tile-block pairs per kernel, for every chip's table."""
     for name, p in problems.items():
-        left, right = masks.normalize_window(p.causal, p.window)
+        left, right = masks.Window.of(p.causal, p.window)
         for chip in config.CHIPS:
             for kernel in config.KERNELS:
                 blocks = config.blocks_for(chip, kernel, p.D, p.torch_dtype)
@@ -274,9 +275,12 @@ def _sweep_plans(p: bench.Problem, chip, device: str) -> dict:
         q, k, v = (x.flatten(0, 1) for x in (q, k, v))
     cu = torch.tensor([0, *torch.tensor(p.seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     L = max(p.seq_lens)
-    left, right = masks.normalize_window(p.causal, p.window, L, L)
+    window = masks.Window.of(p.causal, p.window).folded(L, L)
+    left, right = window
     scale = p.D ** -0.5
-    out, lse, (m2, log2_l) = triton_backend.forward(q, k, v, sinks, cu, cu, scale, left, right, (L, L))
+    out, (m2, log2_l) = sink.with_sink(*triton_backend.forward(q, k, v, Batch(cu, cu, L, L), window, scale, True),
+                                       sinks, base2=True)
+    lse = torch.empty_like(m2)
     do = torch.randn_like(q)
     delta = torch.empty_like(lse)
     launch.delta(out, do, None, delta, chip)()
