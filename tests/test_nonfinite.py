@@ -18,13 +18,17 @@ from conftest import DEVICE
 HQ, HKV, D = 4, 2, 8
 G = HQ // HKV
 BAD_TOKEN, BAD_HEAD, BAD_DIM = 14, 1, 3          # key 2 of the third sequence, KV head 1
+BAD_ROW, BAD_QHEAD = 16, 3          # query token 4 of the third sequence, query head 3 (KV head 1)
 
 
 def _batch(lens, where, value, scale=1.0, seed=1):
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
     q, k, v = (torch.randn(T, h, D, generator=g) * (scale if i < 2 else 1.0) for i, h in enumerate((HQ, HKV, HKV)))
-    (k if where == "k" else v)[BAD_TOKEN, BAD_HEAD, BAD_DIM] = value
+    if where == "q":
+        q[BAD_ROW, BAD_QHEAD, BAD_DIM] = value
+    else:
+        (k if where == "k" else v)[BAD_TOKEN, BAD_HEAD, BAD_DIM] = value
     sinks = torch.randn(HQ, generator=g)
     do, dlse = torch.randn(T, HQ, D, generator=g), torch.randn(HQ, T, generator=g)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -223,18 +227,14 @@ def test_triton_inf_score_gives_lse_inf():
         assert torch.equal(g[torch.isinf(g)], gd[torch.isinf(gd)])
 
 
-BAD_ROW, BAD_QHEAD = 16, 3          # query token 4 of the third sequence, query head 3 (KV head 1)
-
-
 def _run_nan_q(backend, lens, left, right, device="cpu"):
-    q, k, v, sinks, do, dlse, cu = (x.to(device) for x in _batch(lens, "v", 0.5, 1.0))
-    q[BAD_ROW, BAD_QHEAD, BAD_DIM] = float("nan")
-    leaves = [x.requires_grad_() for x in (q, k, v, sinks)]
-    with buffers.poisoned():
-        out, lse = sinkattn.sink_attn_varlen_func(*leaves[:3], cu, cu, max(lens), max(lens), sinks=leaves[3],
-                                                  window_size=(left, right), return_lse=True, backend=backend)
-        grads = torch.autograd.grad([out, lse], leaves, [do, dlse])
-    return [t.detach().cpu() for t in (out, lse, *grads)]
+    return _run(backend, lens, "q", float("nan"), left, right, device=device)
+
+
+def _sequence_of_bad_row(lens):
+    """``(start, L)`` of the sequence that holds query token ``BAD_ROW``."""
+    starts = torch.tensor([0, *lens]).cumsum(0).tolist()
+    return next((s, n) for s, n in zip(starts, lens) if s <= BAD_ROW < s + n)
 
 
 def _predicted_nan_q(lens, left, right):
@@ -242,8 +242,7 @@ def _predicted_nan_q(lens, left, right):
     ``lse_i``, ``dq_i`` of head ``h``, the ``dk``/``dv`` of the keys row i sees (KV head ``h // G``) and
     ``dsink_h``; nothing else."""
     T = sum(lens)
-    start = max(s for s in torch.tensor([0, *lens]).cumsum(0).tolist()[:-1] if s <= BAD_ROW)
-    L = next(n for s, n in zip(torch.tensor([0, *lens]).cumsum(0).tolist(), lens) if s == start)
+    start, L = _sequence_of_bad_row(lens)
     sees = masks.visible(torch.tensor([BAD_ROW - start]), torch.arange(L), L, L, left, right)[0]   # [L]
     row = torch.zeros(T, HQ, dtype=torch.bool)
     row[BAD_ROW, BAD_QHEAD] = True
@@ -277,8 +276,7 @@ def test_triton_nan_in_q_stays_in_its_sequence_and_kv_head(layout):
     got = _run_nan_q("triton", lens, left, right, device=DEVICE)
     exact = _predicted_nan_q(lens, left, right)
     T = sum(lens)
-    start = max(s for s in torch.tensor([0, *lens]).cumsum(0).tolist()[:-1] if s <= BAD_ROW)
-    L = next(n for s, n in zip(torch.tensor([0, *lens]).cumsum(0).tolist(), lens) if s == start)
+    start, L = _sequence_of_bad_row(lens)
     may = torch.zeros(T, HKV, D, dtype=torch.bool)
     may[start:start + L, BAD_QHEAD // G] = True
     for name, g, want in zip(NAMES, got, exact):

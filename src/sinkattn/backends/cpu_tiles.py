@@ -37,6 +37,7 @@ computed; a tile that every row sees whole skips the mask.
 
 Non-finite inputs (``literal``): products of a masked tile then keep a NaN or inf of ``q``, ``k`` or
 ``v`` to the pairs that are visible (``nonfinite.visible_matmul``); a whole visible tile needs nothing.
+The dominant-key correction (``Dominant``) is left out there: each gradient keeps the formula's own terms.
 """
 
 from __future__ import annotations
