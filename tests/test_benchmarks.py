@@ -55,7 +55,7 @@ def test_every_script_takes_the_common_options():
                               capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     with ThreadPoolExecutor(4) as pool:
         runs = dict(zip(SCRIPTS, pool.map(helps, SCRIPTS)))
-    assert len(SCRIPTS) == 11 and UNTIMED < set(SCRIPTS)
+    assert len(SCRIPTS) == 12 and UNTIMED < set(SCRIPTS)
     for script, run in runs.items():
         assert run.returncode == 0, (script, run.stderr[-2000:])
         listed = run.stdout.split("\noptions:\n")[-1]                  # the options, not the description
@@ -406,6 +406,29 @@ def test_nonfinite_benchmark_quick(tmp_path):
         assert r["check_share"] == quotient(r["check_seconds"], t["checked"])
         assert f"difference {r['cost'] * 100:+.2f}%" in stdout
     assert "budget < 2%" in stdout
+
+
+def test_ab_benchmark_quick(tmp_path):
+    """This checkout against itself as the baseline: each ratio is the quotient of the two medians, each
+    median that of its samples (one per round and repeat)."""
+    stdout, report = _quick("ab", tmp_path, "--baseline", str(ROOT))
+    assert report["header"]["baseline_commit"] == report["header"]["this_commit"]
+    rows = report["rows"]
+    assert [(r["case"], r["mode"]) for r in rows] == [
+        (case, mode) for case in ("causal S=256 D=64 fp32", "packed [96, 40, 72, 48] D=64 fp32")
+        for mode in ("inference", "forward", "forward+backward")]
+    for r in rows:
+        for tree in ("baseline", "this"):
+            assert len(r["samples"][tree]) == report["rounds"] * report["repeats"] == 1
+            samples_hold(dict(seconds=r["seconds"][tree], samples=r["samples"][tree]))
+        assert r["ratio"] == quotient(r["seconds"]["this"], r["seconds"]["baseline"])
+        assert f"this/baseline {r['ratio']:.2f}" in stdout
+
+
+def test_ab_benchmark_refuses_a_baseline_that_is_not_a_checkout(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--baseline", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "has no src/sinkattn" in run.stderr
 
 
 def test_cache_memory_benchmark_quick(tmp_path):

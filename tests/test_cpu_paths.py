@@ -93,7 +93,8 @@ def test_tiles_cover_visible_pairs_once_with_exact_masks(Lq, Lk, window, n, HQ, 
             if mask is None:
                 assert tile.all()
             else:
-                assert torch.equal(mask, tile.repeat(G, 1))
+                assert torch.equal(mask.keep, tile.repeat(G, 1))
+                assert torch.equal(mask.bias, torch.where(mask.keep, 0.0, float("-inf")))
             covered[r0:r1, c0:c1] += tile.int()
             computed += (r1 - r0) * (c1 - c0)
     assert row_starts == sorted(set(row_starts))

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sinkattn
-from sinkattn.backends import buffers
+from sinkattn.backends import buffers, cpu_tiles
 from sinkattn.testing import cases, precision, verify
 from conftest import describe
 
@@ -57,6 +57,10 @@ def test_training_meets_gate_a_and_gate_b_at_any_score_size(case):
     Not on one draw's max error: over a handful of rows that is mostly luck (where two keys compete, the
     rounding of their two products decides, and eager attention's matmul adds them in another order;
     one draw in a thousand puts either side 3x behind the other)."""
+    _meets_gates_over_seeds(case)
+
+
+def _meets_gates_over_seeds(case):
     ours, eager_sq, scale, count = {}, {}, {}, {}
     for seed in range(case.seed, case.seed + _seeds(case)):
         one = dataclasses.replace(case, seed=seed)
@@ -103,3 +107,13 @@ def test_causal_rows_with_more_keys_than_queries(Lq, Lk, D, bound):
         result = verify.run_case(case, "cpu", gate_b=True)
         assert result.passed, describe(result)
         assert all(r.gate_b for r in result.reports if r.name in GATE_B), describe(result)
+
+
+@pytest.mark.parametrize("Lq,Lk,causal", [(17, 17, False), (17, 17, True), (24, 3, True), (17, 5, False)])
+def test_row_blocks_that_cannot_keep_their_products(monkeypatch, Lq, Lk, causal):
+    """A row block over more keys than ``KEPT_ELEMENTS`` allows computes ``P``/``dP`` twice and adds the dominant
+    key's correction after the products: the same gates as the kept path, on one-hot rows (D=1, sharp scores;
+    without the correction these shapes miss Gate B on dq or dk)."""
+    monkeypatch.setattr(cpu_tiles, "KEPT_ELEMENTS", 0)
+    _meets_gates_over_seeds(cases.Case("L2", 2, 2, (Lq,), (Lk,), D=1, dtype=torch.float32, causal=causal,
+                                       window_size=(-1, 0 if causal else -1), score_bound=255.0, seed=0))

@@ -22,6 +22,7 @@ __all__ = [
     "Window",
     "row_key_bounds",
     "visible",
+    "block_visible",
     "block_key_range",
     "block_fully_visible",
     "row_blocks",
@@ -92,6 +93,14 @@ def visible(rows: torch.Tensor, cols: torch.Tensor, Lq, Lk, left: int, right: in
     per-sequence lengths (``row_key_bounds``) ``[..., len(rows), len(cols)]``."""
     lo, hi = row_key_bounds(rows, Lq, Lk, left, right)
     return (cols >= lo.unsqueeze(-1)) & (cols < hi.unsqueeze(-1))
+
+
+def block_visible(R: int, C: int, shift: int, left: int, right: int) -> torch.Tensor:
+    """Bool ``[R, C]``: ``visible`` on rows ``r0 + [0, R)`` against keys ``k0 + [0, C)`` of a block whose
+    ``shift = r0 + (Lk - Lq) - k0``, for a block inside its sequence (``k0 >= 0``, ``k0 + C <= Lk``): there
+    the length limits do not bind, so every block of one ``(R, C, shift)`` has the same mask."""
+    span = R + abs(shift) + C + 1          # a square frame large enough that no limit clips
+    return visible(torch.arange(R) + shift, torch.arange(C), span, span, left, right)
 
 
 def block_key_range(r0: int, r1: int, Lq: int, Lk: int, left: int, right: int) -> tuple[int, int]:

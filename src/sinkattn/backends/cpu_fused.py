@@ -130,8 +130,7 @@ def _band_mask(R: int, K: int, shift: int, left: int, right: int) -> tuple[torch
     """Additive mask ``[R, K]`` and row-has-key ``[R]`` of a block whose row ``a`` sits ``shift`` past
     key 0 of its range. Inside ``[k0, k1)`` the length limits never bind, so every block of the same
     geometry shares one mask (a long sliding-window sequence builds a handful, not one per block)."""
-    span = R + abs(shift) + K + 1          # a square frame large enough that no limit clips
-    vis = masks.visible(torch.arange(R) + shift, torch.arange(K), span, span, left, right)
+    vis = masks.block_visible(R, K, shift, left, right)
     return torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF), vis.any(1)
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import masks
-from .cpu_tiles import (Dominant, block_forward, block_gradients, block_probabilities, row_scale, row_sums,
-                        score_scale)
+from .cpu_tiles import (Dominant, TileMask, block_ds, block_forward, block_probabilities, block_products, row_scale,
+                        row_sums, score_scale)
 from .layout import Sequences, token_ranges
 
 __all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH", "SLAB_ELEMENTS"]
@@ -161,9 +161,9 @@ def _batches(small: Sequences | None, HQ: int, HKV: int, left: int, right: int):
     return () if small is None else _gathered_batches(small, HQ, HKV, left, right)
 
 
-def _group_mask(mask: torch.Tensor, G: int) -> torch.Tensor:
+def _group_mask(mask: torch.Tensor, G: int) -> TileMask:
     """``[n, R, K]`` -> ``[n, 1, G*R, K]``, broadcastable to the stacked scores ``[n, HKV, G*R, K]``."""
-    return mask.repeat(1, G, 1)[:, None]
+    return TileMask(mask.repeat(1, G, 1)[:, None])
 
 
 def _scaled(rows: torch.Tensor, softmax_scale: float) -> torch.Tensor:
@@ -205,16 +205,17 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, small, dq, dk, dv, s
             if dl is not None:
                 db = db.sub_(dl)
             batch.put_stat(delta, db.squeeze(-1))
-            if not literal:             # non-finite inputs: the formula's terms as they are
+            if not literal and Dominant.possible(batch.stat(inv_l)):   # non-finite inputs: the terms as they are
                 dominant = Dominant()
                 dominant.see(p, 0)
         else:
             db = batch.stat(delta)[..., None]
-        dq_s, dk_b, dv_b = block_gradients(p, dp, db, qs, kb, dos, mask, literal)
-        if dominant is not None:
-            dominant.add(dp)                            # dp holds dS now
+        ds = block_ds(p, dp, db, mask, literal)
+        if dominant is not None:                        # the dominant key's dS from the others'
+            dominant.add(ds)
             sink_b = batch.stat(sink_mass)[..., None] if sink_mass is not None else None
-            dominant.apply(dominant.correction(sink_b, db, dl), qs, kb, dq_s, dk_b)
+            dominant.fold(dominant.correction(sink_b, db, dl), [(ds, 0)])
+        dq_s, dk_b, dv_b = block_products(p, ds, qs, kb, dos, mask, literal)
         batch.put_queries(dq, dq_s.mul_(softmax_scale))
         batch.put_keys(dk, dk_b if post is None else dk_b.mul_(post))
         batch.put_keys(dv, dv_b)

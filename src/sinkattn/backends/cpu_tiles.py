@@ -33,7 +33,13 @@ and scores of any size keep the precision of eager attention (there is no ``lse`
 ``|s|`` to subtract). ``Delta = <dO, o> - dlse`` is given per row, so a tile need not hold every key
 of its rows (context parallelism calls tiles of a row's keys one at a time). dK/dV chunks are summed
 over row blocks in a fixed order. Only the tiles that a row block's visible key range meets are
-computed; a tile that every row sees whole skips the mask.
+computed; a tile that every row sees whole skips the mask, and tiles of one geometry share theirs
+(``TileMask``, added to finite scores as a 0 / ``-inf`` bias).
+
+Per row block, the backward keeps ``P`` and ``dP`` of the first pass when they fit (``KEPT_ELEMENTS``):
+then every ``dS`` is formed before its products and the dominant key's correction is folded into it
+(``Dominant.fold``); otherwise it is added after them (``Dominant.apply``). A block none of whose rows
+can hold a key of ``P >= 1/2`` (``1/l < 1/2``) skips the search for one.
 
 Non-finite inputs (``literal``): products of a masked tile then keep a NaN or inf of ``q``, ``k`` or
 ``v`` to the pairs that are visible (``nonfinite.visible_matmul``); a whole visible tile needs nothing.
@@ -42,7 +48,9 @@ The dominant-key correction (``Dominant``) is left out there: each gradient keep
 
 from __future__ import annotations
 
+import functools
 import math
+from functools import cached_property
 
 import torch
 
@@ -50,9 +58,8 @@ from .. import masks
 from .layout import Span, heads_first, stat_view, zero_unwritten
 from .nonfinite import visible_matmul
 
-__all__ = ["forward", "backward", "stack_group", "stacked_rows", "unstack_group", "row_scale", "score_scale",
-           "block_forward",
-           "block_probabilities", "row_sums", "block_gradients", "Dominant",
+__all__ = ["forward", "backward", "TileMask", "stack_group", "stacked_rows", "unstack_group", "row_scale",
+           "score_scale", "block_forward", "block_probabilities", "row_sums", "block_ds", "block_products", "Dominant",
            "rows_per_block", "BN", "TILE_ELEMENTS"]
 
 BN = 256
@@ -110,15 +117,37 @@ def unstack_group(x: torch.Tensor, HQ: int) -> torch.Tensor:
     return x.reshape(N, HQ, GR // (HQ // HKV), *x.shape[3:])
 
 
-def _scores(qs: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+class TileMask:
+    """The visible pairs of a tile: ``keep``, bool broadcastable to its scores ``[N, HKV, M, C]``, and two
+    forms made on first use: ``bias`` (fp32, 0 where visible, ``-inf`` elsewhere) and ``drop`` (``~keep``).
+
+    Finite scores take the mask as ``S + bias``, a tenth of the time of a broadcast ``masked_fill`` on
+    current CPUs; scores that may hold NaN (``literal``) take ``masked_fill``, which replaces them."""
+
+    def __init__(self, keep: torch.Tensor):
+        self.keep = keep
+
+    @cached_property
+    def bias(self) -> torch.Tensor:
+        return torch.zeros(self.keep.shape).masked_fill_(self.drop, _NEG_INF)
+
+    @cached_property
+    def drop(self) -> torch.Tensor:
+        return ~self.keep
+
+
+def _scores(qs: torch.Tensor, kb: torch.Tensor, mask: TileMask | None, scale: float | None,
+            literal: bool) -> torch.Tensor:
     """``S [N, HKV, M, C]`` fp32 from the rows ``qs [N, HKV, M, D]`` (scaled by ``row_scale``) and keys
-    ``kb [N, HKV, C, D]``, times ``scale`` (``score_scale``) if not None; ``-inf`` where ``mask`` (bool,
-    broadcastable) is False."""
+    ``kb [N, HKV, C, D]``, times ``scale`` (``score_scale``) if not None; ``-inf`` off ``mask``."""
     s = torch.matmul(qs, kb.transpose(-1, -2))
     if scale is not None:
         s.mul_(scale)
     if mask is not None:
-        s.masked_fill_(~mask, _NEG_INF)
+        if literal:
+            s.masked_fill_(mask.drop, _NEG_INF)
+        else:
+            s.add_(mask.bias)
     return s
 
 
@@ -133,16 +162,15 @@ EXP_FLOOR = -87.0
 _AT_FLOOR = float(torch.tensor(EXP_FLOOR).exp())     # fp32's e^-87, as ``exp`` computes it
 
 
-def _exp_shifted_(s: torch.Tensor, c: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _exp_shifted_(s: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``e^(S - c) - e^EXP_FLOOR`` in place, the exponent floored at ``EXP_FLOOR``: exactly 0 at and below the
-    floor, and the subtraction is lost in the rounding of anything above ``1e-30`` (NaN stays NaN); exactly 0
-    where ``mask`` is False."""
-    p = s.sub_(c).clamp_(min=EXP_FLOOR).exp_().sub_(_AT_FLOOR)
-    return p if mask is None else p.masked_fill_(~mask, 0.0)
+    floor (a masked ``-inf`` with a finite ``c``), and the subtraction is lost in the rounding of anything
+    above ``1e-30`` (NaN stays NaN)."""
+    return s.sub_(c).clamp_(min=EXP_FLOOR).exp_().sub_(_AT_FLOOR)
 
 
 def _pv(p, vb, mask, literal):
-    return visible_matmul(p, vb, mask) if literal and mask is not None else torch.matmul(p, vb)
+    return visible_matmul(p, vb, mask.keep) if literal and mask is not None else torch.matmul(p, vb)
 
 
 class _Online:
@@ -152,7 +180,7 @@ class _Online:
     def __init__(self, s: torch.Tensor, vb, mask, literal: bool):
         self.m = s.amax(-1, keepdim=True)
         self.c = _finite(self.m)
-        p = _exp_shifted_(s, self.c, mask)
+        p = _exp_shifted_(s, self.c)
         self.l = p.sum(-1, keepdim=True)
         self.acc = _pv(p, vb, mask, literal)
 
@@ -160,7 +188,7 @@ class _Online:
         m = torch.maximum(self.m, s.amax(-1, keepdim=True))
         c = _finite(m)
         alpha = torch.where(self.m == _NEG_INF, 0.0, torch.exp(self.c - c))   # nothing to rescale before a key
-        p = _exp_shifted_(s, c, mask)
+        p = _exp_shifted_(s, c)
         self.l = self.l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         self.acc = self.acc.mul_(alpha).add_(_pv(p, vb, mask, literal))
         self.m, self.c = m, c
@@ -177,7 +205,7 @@ def block_forward(qs, chunks, scale: float | None = None):
     -> ``(o_keys [N, HKV, M, D], m [N, HKV, M, 1], log_l [N, HKV, M, 1])``."""
     state = None
     for kb, vb, mask, literal in chunks:
-        s = _scores(qs, kb, mask, scale)
+        s = _scores(qs, kb, mask, scale, literal)
         if state is None:
             state = _Online(s, vb, mask, literal)
         else:
@@ -189,14 +217,17 @@ def block_probabilities(qs, kb, vb, dos, m, inv_l, mask, literal: bool = False, 
     """One tile's ``(P, dP)`` ``[N, HKV, M, C]`` from the final statistics: ``P = e^(S - m) / l``, ``dP = dO V^T``.
 
     ``qs``/``dos [N, HKV, M, D]`` (``qs`` and ``scale`` as in ``block_forward``), ``kb``/``vb [N, HKV, C, D]``,
-    ``m``/``inv_l [N, HKV, M, 1]`` (``inv_l = 1 / l``), ``mask`` bool broadcastable to ``[N, HKV, M, C]`` or
-    None. ``P`` is 0 off the visible pairs; ``literal``: ``dP`` too, so that a NaN or inf there reaches no sum."""
-    p = _exp_shifted_(_scores(qs, kb, mask, scale), m, None).mul_(inv_l)
-    if mask is not None:            # after the product: 0 even where a row's statistics are NaN
-        p.masked_fill_(~mask, 0.0)
+    ``m``/``inv_l [N, HKV, M, 1]`` (``inv_l = 1 / l``; ``m`` finite), ``mask`` a ``TileMask`` or None. ``P`` is
+    0 off the visible pairs (``e^-inf``, and a NaN ``1/l`` of a NaN sink kept off them); ``literal``: ``dP``
+    too, so that a NaN or inf there reaches no sum."""
+    p = _exp_shifted_(_scores(qs, kb, mask, scale, literal), m).mul_(inv_l)
+    if mask is None:
+        return p, torch.matmul(dos, vb.transpose(-1, -2))
+    if literal or bool(torch.isnan(inv_l).any()):
+        p.masked_fill_(mask.drop, 0.0)
     dp = torch.matmul(dos, vb.transpose(-1, -2))
-    if literal and mask is not None:
-        dp.masked_fill_(~mask, 0.0)
+    if literal:
+        dp.masked_fill_(mask.drop, 0.0)
     return p, dp
 
 
@@ -205,15 +236,18 @@ def row_sums(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
     return (p * dp).sum(-1, keepdim=True)
 
 
-def block_gradients(p, dp, delta, qs, kb, dos, mask, literal: bool = False):
-    """One tile's gradient terms ``(dq_part, dk_part, dv_part)``: ``dS = P (dP - Delta)``, ``dq_part = dS K``
-    (unscaled), ``dk_part = dS^T qs`` (unscaled by ``score_scale``), ``dv_part = P^T dO``; ``dp`` is
-    overwritten by ``dS``."""
+def block_ds(p, dp, delta, mask, literal: bool = False):
+    """One tile's ``dS = P (dP - Delta)``, written over ``dp`` (0 off the visible pairs when ``literal``)."""
     ds = dp.sub_(delta).mul_(p)
+    return ds.masked_fill_(mask.drop, 0.0) if literal and mask is not None else ds
+
+
+def block_products(p, ds, qs, kb, dos, mask, literal: bool = False):
+    """One tile's gradient terms ``(dq_part, dk_part, dv_part)``: ``dq_part = dS K`` (unscaled),
+    ``dk_part = dS^T qs`` (unscaled by ``score_scale``), ``dv_part = P^T dO``."""
     if literal and mask is not None:
-        ds.masked_fill_(~mask, 0.0)
-        mask_t = mask.transpose(-1, -2)
-        return (visible_matmul(ds, kb, mask), visible_matmul(ds.transpose(-1, -2), qs, mask_t),
+        mask_t = mask.keep.transpose(-1, -2)
+        return (visible_matmul(ds, kb, mask.keep), visible_matmul(ds.transpose(-1, -2), qs, mask_t),
                 visible_matmul(p.transpose(-1, -2), dos, mask_t))
     return torch.matmul(ds, kb), torch.matmul(ds.transpose(-1, -2), qs), torch.matmul(p.transpose(-1, -2), dos)
 
@@ -238,6 +272,12 @@ class Dominant:
     def __init__(self):
         self.best = self.key = self.ds_sum = None
 
+    @staticmethod
+    def possible(inv_l: torch.Tensor) -> bool:
+        """Whether a row of ``inv_l = 1 / l`` may have a key of ``P >= DOMINANT_FROM``: a row's largest ``P``
+        is ``e^(max_j s_ij - m) / l <= 1 / l``. Blocks without such a row skip the search (no correction)."""
+        return bool((inv_l >= DOMINANT_FROM).any())
+
     def see(self, p: torch.Tensor, first_key: int) -> None:
         """One chunk's ``P [..., M, C]`` of keys ``first_key + [0, C)``."""
         best, key = p.max(-1, keepdim=True)
@@ -260,9 +300,18 @@ class Dominant:
             target = target + dlse
         return torch.where(self.best >= DOMINANT_FROM, target - self.ds_sum, 0.0)
 
+    def fold(self, fix: torch.Tensor, chunks) -> None:
+        """Add ``fix`` to the dominant keys' ``dS`` before the products: ``chunks`` are ``(ds [..., M, C],
+        first_key)``, every chunk of the rows' keys."""
+        for ds, first_key in chunks:
+            local = self.key - first_key
+            inside = (local >= 0) & (local < ds.shape[-1])
+            ds.scatter_add_(-1, local.clamp_(0, ds.shape[-1] - 1), torch.where(inside, fix, 0.0))
+
     def apply(self, fix: torch.Tensor, qs: torch.Tensor, keys: torch.Tensor, dq_s: torch.Tensor,
               dk: torch.Tensor) -> None:
-        """Add ``fix`` at the dominant keys: ``dq_s += fix K[key]``, ``dk[key] += fix qs`` (in row order)."""
+        """Add ``fix`` at the dominant keys after the products, for a row block whose ``dS`` are not all kept:
+        ``dq_s += fix K[key]``, ``dk[key] += fix qs`` (in row order)."""
         index = self.key.expand(*self.key.shape[:-1], keys.shape[-1])
         dq_s.add_(fix * keys.gather(-2, index))
         dk.scatter_add_(-2, index, fix * qs)
@@ -270,7 +319,7 @@ class Dominant:
 
 def _tiles(n: int, HQ: int, G: int, Lq: int, Lk: int, left: int, right: int):
     """Per row block ``(r0, r1, [(c0, c1, mask), ...])``: its chunks of visible keys, each with its
-    mask ``[G*R, C]`` (stacked rows) or None when every row sees the whole chunk."""
+    ``TileMask`` (``[G*R, C]``, stacked rows) or None when every row sees the whole chunk."""
     R = rows_per_block(n, HQ, Lk)
     for r0, r1, k0, k1, _ in masks.row_blocks(Lq, Lk, left, right, R):
         chunks = []
@@ -278,9 +327,16 @@ def _tiles(n: int, HQ: int, G: int, Lq: int, Lk: int, left: int, right: int):
             c1 = min(c0 + BN, k1)
             mask = None
             if not masks.block_fully_visible(r0, r1, c0, c1, Lq, Lk, left, right):
-                mask = masks.visible(torch.arange(r0, r1), torch.arange(c0, c1), Lq, Lk, left, right).repeat(G, 1)
+                mask = _tile_mask(r1 - r0, c1 - c0, r0 + Lk - Lq - c0, left, right, G)
             chunks.append((c0, c1, mask))
         yield r0, r1, chunks
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_mask(R: int, C: int, shift: int, left: int, right: int, G: int) -> TileMask:
+    """``masks.block_visible`` for the stacked rows of a tile, shared by the tiles of one geometry across calls
+    (the diagonal tiles of a causal sequence have a handful of geometries)."""
+    return TileMask(masks.block_visible(R, C, shift, left, right).repeat(G, 1))
 
 
 def _run_views(q, k, v, run):
@@ -339,32 +395,39 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, runs, dq, dk, dv, so
             mb, lb = (stack_group(s[:, :, r0:r1, None], HKV) for s in (m_r, inv_l_r))
             tiles = [(kh[:, :, c0:c1], vh[:, :, c0:c1], mask, c0, c1) for c0, c1, mask in chunks]
             kept = dominant = None
+            cache = exact and qs.shape[:3].numel() * sum(t[0].shape[2] for t in tiles) <= KEPT_ELEMENTS
             if exact:
-                kept, sums, dominant = [], None, (None if literal else Dominant())
-                cache = qs.shape[:3].numel() * sum(t[0].shape[2] for t in tiles) <= KEPT_ELEMENTS
+                kept, sums, dominant = [], None, (None if literal or not Dominant.possible(lb) else Dominant())
                 for kb, vb, mask, c0, _ in tiles:
                     pdp = block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal, post)
                     sums = row_sums(*pdp) if sums is None else sums.add_(row_sums(*pdp))
                     if dominant is not None:
                         dominant.see(pdp[0], c0)
                     kept.append(pdp if cache else None)
-                dl = stack_group(dlse_r[:, :, r0:r1, None], HKV) if dlse_r is not None else None
-                db = sums if dl is None else sums.sub_(dl)
+                db = sums if dlse_r is None else sums.sub_(stack_group(dlse_r[:, :, r0:r1, None], HKV))
                 delta_r[:, :, r0:r1] = unstack_group(db.squeeze(-1), HQ)
             else:
                 db = stack_group(delta_r[:, :, r0:r1, None], HKV)
+            dl = stack_group(dlse_r[:, :, r0:r1, None], HKV) if exact and dlse_r is not None else None
+            sink_b = (stack_group(sink_r[:, :, r0:r1, None], HKV)
+                      if dominant is not None and sink_r is not None else None)
+            folded = dominant is not None and cache
+            if folded:                  # every dS first, the dominant key's taken from the others', then products
+                for (p, dp), (_, _, mask, _, _) in zip(kept, tiles):
+                    dominant.add(block_ds(p, dp, db, mask, literal))
+                dominant.fold(dominant.correction(sink_b, db, dl), [(dp, t[3]) for (_, dp), t in zip(kept, tiles)])
             dq_s = None
             for i, (kb, vb, mask, c0, c1) in enumerate(tiles):
-                pdp = kept[i] if kept is not None and kept[i] is not None else None
-                p, dp = pdp if pdp is not None else block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal, post)
-                dq_c, dk_c, dv_c = block_gradients(p, dp, db, qs, kb, dos, mask, literal)
-                if dominant is not None:
-                    dominant.add(dp)                    # dp holds dS now
+                cached = kept is not None and kept[i] is not None
+                p, dp = kept[i] if cached else block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal, post)
+                ds = dp if folded else block_ds(p, dp, db, mask, literal)
+                if dominant is not None and not folded:
+                    dominant.add(ds)
+                dq_c, dk_c, dv_c = block_products(p, ds, qs, kb, dos, mask, literal)
                 dq_s = dq_c if dq_s is None else dq_s.add_(dq_c)
                 dkh[:, :, c0:c1] += dk_c
                 dvh[:, :, c0:c1] += dv_c
-            if dominant is not None:
-                sink_b = stack_group(sink_r[:, :, r0:r1, None], HKV) if sink_r is not None else None
+            if dominant is not None and not folded:
                 dominant.apply(dominant.correction(sink_b, db, dl), qs, kh, dq_s, dkh)
             rows.take(r0, r1)
             dqg[:, :, r0:r1] = unstack_group(dq_s.mul_(softmax_scale), HQ)
