@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, validation
+from . import dtensor, ops, validation
 from .autocast import autocast_inputs
 from .call import settle
 
@@ -42,12 +42,15 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         o_i   = sum_{visible j} exp(scale <q_i, k_j> - lse_i) v_j
 
     Under ``torch.autocast``, q, k and v are first cast to its dtype, as for SDPA (``sinkattn.autocast``).
+    q, k, v and sinks may be DTensors sharded over heads, or replicated (tensor parallelism,
+    ``sinkattn.dtensor``): results are DTensors, each rank's the plain call on its heads.
 
     Returns ``out [Tq, HQ, D]`` in q's dtype, or ``(out, lse)``.
     """
     q, k, v = autocast_inputs(q, k, v)
     validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
+    q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = dtensor.placed(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend)
     # a bound past the token count bounds no more than it (and then fits the op's int64)
     max_seqlen_q, max_seqlen_k = torch.sym_min(max_seqlen_q, q.shape[0]), torch.sym_min(max_seqlen_k, k.shape[0])
@@ -66,6 +69,7 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     q, k, v = autocast_inputs(q, k, v)
     validation.check_dense(q, k, v)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
+    q, k, v, sinks, _, _ = dtensor.placed(q, k, v, sinks, None, None)
     call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend)
     B, Sq, HQ = q.shape[:3]
     o, lse, *_ = ops.attention(q, k, v, sinks, None, None, Sq, k.shape[1], call.softmax_scale, call.window,

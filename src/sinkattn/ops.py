@@ -3,10 +3,10 @@ the only code that calls a backend.
 
     sinkattn::forward(q, k, v, sinks?, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
                       softmax_scale, left, right, backend, check_cu_seqlens, needs_grad)
-                      -> [o, lse, m, log_l]
+                      -> (o, lse, m, log_l)
     sinkattn::backward(do, dlse?, q, k, v, sinks?, o, m, log_l, cu_seqlens_q?, cu_seqlens_k?,
                        max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, partial)
-                       -> [dq, dk, dv, dsinks]
+                       -> (dq, dk, dv, dsinks)
 
 A call is packed (``q [Tq, HQ, D]`` with ``cu_seqlens_*``) or dense (``q [B, Sq, HQ, D]``,
 ``cu_seqlens_*`` None; the op packs it, except an inference call a ``dense`` backend takes as it is).
@@ -50,6 +50,10 @@ if torch.distributed.is_available():
 
 __all__ = ["forward", "backward", "attention", "gradients", "is_plain_eager"]
 
+Results = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""Four tensors: a tuple, not a list, so that each has its own entry in the op's schema (a DTensor
+sharding rule gives every output its own placement, ``sinkattn.dtensor``)."""
+
 
 def is_plain_eager(*tensors) -> bool:
     """True when a call may run the op's implementation directly: eager mode (not traced or compiled,
@@ -81,7 +85,7 @@ def _packed(q, k, v, *rest):
 
 
 def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
-             backend, check_cu_seqlens, needs_grad) -> list[torch.Tensor]:
+             backend, check_cu_seqlens, needs_grad) -> Results:
     """The implementation of ``sinkattn::forward``."""
     caps, impl = backends.describe(backend), backends.load(backend)
     dense = cu_seqlens_q is None
@@ -106,14 +110,14 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         o, stats = sink.with_sink(o, sink.Stats(stats.m.view(rows), stats.log_l.view(rows)), sinks, caps.base2)
         lse = sink.lse_of(stats, caps.base2).float()
     flat = stats.m.shape[:1] + (-1,)
-    return contiguous(o, lse.reshape(flat), stats.m.reshape(flat), stats.log_l.reshape(flat))
+    return tuple(contiguous(o, lse.reshape(flat), stats.m.reshape(flat), stats.log_l.reshape(flat)))
 
 
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
             cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
             max_seqlen_k: int, softmax_scale: float, left: int, right: int, backend: str,
-            check_cu_seqlens: bool, needs_grad: bool) -> list[torch.Tensor]:
+            check_cu_seqlens: bool, needs_grad: bool) -> Results:
     return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left,
                     right, backend, check_cu_seqlens, needs_grad)
 
@@ -125,12 +129,12 @@ def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
     HQ = q.shape[-2]
     T = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
     stat = (HQ, T)
-    return [q.new_empty(q.shape, dtype=out_dtype), q.new_empty(stat, dtype=torch.float32),
-            q.new_empty(stat, dtype=out_dtype), q.new_empty(stat, dtype=out_dtype)]
+    return (q.new_empty(q.shape, dtype=out_dtype), q.new_empty(stat, dtype=torch.float32),
+            q.new_empty(stat, dtype=out_dtype), q.new_empty(stat, dtype=out_dtype))
 
 
 def _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, left, right, backend, partial) -> list[torch.Tensor]:
+              softmax_scale, left, right, backend, partial) -> Results:
     """The implementation of ``sinkattn::backward``."""
     caps, impl = backends.describe(backend), backends.load(backend)
     shapes = (q.shape, k.shape, v.shape)
@@ -146,7 +150,8 @@ def _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k,
         mass = sink.sink_mass(sinks, stats, caps.base2) if sinks is not None else None
         dq, dk, dv, delta = impl.backward(do, dlse, q, k, v, o, stats, mass, batch, window, softmax_scale, partial)
         dsinks = sink.dsinks_from(sinks, mass, delta) if sinks is not None else q.new_empty((0,))
-    return contiguous(*(g.to(x.dtype).view(shape) for g, x, shape in zip((dq, dk, dv), (q, k, v), shapes)), dsinks)
+    return tuple(contiguous(*(g.to(x.dtype).view(shape) for g, x, shape in zip((dq, dk, dv), (q, k, v), shapes)),
+                            dsinks))
 
 
 @torch.library.custom_op("sinkattn::backward", mutates_args=())
@@ -154,7 +159,7 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              sinks: torch.Tensor | None, o: torch.Tensor, m: torch.Tensor, log_l: torch.Tensor,
              cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
              max_seqlen_k: int, softmax_scale: float, left: int, right: int, backend: str,
-             partial: bool) -> list[torch.Tensor]:
+             partial: bool) -> Results:
     return _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, left, right, backend, partial)
 
@@ -163,7 +168,7 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
 def _(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       softmax_scale, left, right, backend, partial):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
-    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -176,12 +181,12 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)      # an unused lse hands None, not zeros to read
 
 
-def _autograd_backward(ctx, grads):
+def _autograd_backward(ctx, dout, dlse, _dm, _dlog_l):
     autodiff.refuse_double_backward()
-    dout, dlse = grads[0], grads[1]
     q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     # The public output is o cast to q's dtype, so dout holds q-dtype values: cast back exactly.
-    dout = torch.zeros(o.shape, dtype=q.dtype, device=q.device) if dout is None else dout.to(q.dtype)
+    # (zeros_like: o's type and placement when the call ran on DTensors)
+    dout = torch.zeros_like(o, dtype=q.dtype) if dout is None else dout.to(q.dtype)
     dq, dk, dv, dsinks = backward(dout.contiguous(), dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q,
                                   cu_seqlens_k, *ctx.options, False)
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 10

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS", "AUTOCAST_DTYPE", "PrecisionCase",
-           "PRECISION", "precision_inputs", "spawn_precision"]
+           "PRECISION", "precision_inputs", "spawn_precision", "join_ranks"]
 
 SHAPE = dict(B=2, S=32, HQ=4, HKV=2, D=8)
 LENGTHS = (16, 0, 8, 8, 40)       # a packed batch (8, 8: one run of two); every length divisible by 8
@@ -169,7 +169,7 @@ def _precision_worker(rank: int, P: int, folder: str) -> None:
 
 def spawn_precision(P: int, folder: str, timeout: float = 300.0) -> dict:
     """Run ``PRECISION`` on P gloo ranks: the gathered full results of every case, by ``case.name(P)``."""
-    _join(mp.spawn(_precision_worker, args=(P, folder), nprocs=P, join=False), P, timeout)
+    join_ranks(mp.spawn(_precision_worker, args=(P, folder), nprocs=P, join=False), P, timeout)
     return torch.load(os.path.join(folder, "precision.pt"), weights_only=False)
 
 
@@ -319,14 +319,16 @@ def _worker(rank: int, P: int, folder: str, names: list[str] | None) -> None:
 
 def spawn(P: int, folder: str, names: list[str] | None = None, timeout: float = 240.0) -> list[dict]:
     """Run the cases (all, or those named) on P gloo ranks; every rank's results, in rank order."""
-    _join(mp.spawn(_worker, args=(P, folder, names), nprocs=P, join=False), P, timeout)
+    join_ranks(mp.spawn(_worker, args=(P, folder, names), nprocs=P, join=False), P, timeout)
     return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(P)]
 
 
-def _join(context, P: int, timeout: float) -> None:
+def join_ranks(context, P: int, timeout: float) -> None:
+    """Wait for the P processes of ``mp.spawn(..., join=False)``; kill them all and raise TimeoutError past
+    ``timeout`` seconds (a hang), re-raise a rank's failure."""
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     while not context.join(timeout=1.0):
         if datetime.datetime.now() > deadline:
             for process in context.processes:
                 process.kill()
-            raise TimeoutError(f"the {P} context-parallel ranks did not finish within {timeout:.0f} s (a hang?)")
+            raise TimeoutError(f"the {P} ranks did not finish within {timeout:.0f} s (a hang?)")
