@@ -26,6 +26,11 @@ model call traces without a graph break; there the refusal of padding inside a r
 sliding window is made once per forward by ``key_mask``. A static cache's layer then gets the
 int8 slot mask ``[B, Sk]`` (-1: a slot after the queries); its queries are the last ``Sq`` columns
 before the first -1, located on the device.
+
+Two settings of ``sinkattn.hf.register`` change the call: ``context_parallel=`` runs the layer on
+this rank's shard of the tokens through ``sinkattn.distributed`` (``sinkattn.hf.context``), and
+sinks longer than the query heads, as a sequence-parallel wrapper that split the heads hands
+them (DeepSpeed Ulysses), are cut to this rank's heads (``sinkattn.hf.heads``, ``head_group=``).
 """
 
 from __future__ import annotations
@@ -33,13 +38,13 @@ from __future__ import annotations
 import torch
 
 from ..interface import sink_attn_func, sink_attn_varlen_func
-from . import layout
+from . import context, heads, layout
+from .context import ContextParallel
 from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN
 
 __all__ = ["attention_forward"]
 
 _EAGER = "or load the model with attn_implementation='eager'"
-_FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _refuse(module, dropout, is_causal, kwargs) -> None:
@@ -53,28 +58,6 @@ def _refuse(module, dropout, is_causal, kwargs) -> None:
                          f"served; drop output_attentions (also from the config) {_EAGER}")
     if not is_causal:
         raise ValueError(f"sinkattn.hf runs causal decoder attention only, got is_causal=False; {_EAGER}")
-
-
-def _bound(value, tokens):
-    """A ``max_length_*`` kwarg as the varlen API's ``max_seqlen``. A tensor is read back in eager
-    mode; under tracing, where reading it would break the graph, the token count bounds it."""
-    if isinstance(value, torch.Tensor):
-        return tokens if torch.compiler.is_compiling() else int(value.item())
-    return value if torch.compiler.is_compiling() else int(value)
-
-
-def _flash_layout(kwargs, tokens: int) -> layout.Layout | None:
-    """The packed layout of the flash kwargs, or None when none is given; all four or none."""
-    given = [k for k in _FLASH_KWARGS if kwargs.get(k) is not None]
-    if not given:
-        return None
-    if len(given) != len(_FLASH_KWARGS):
-        missing = [k for k in _FLASH_KWARGS if k not in given]
-        raise ValueError(f"sinkattn.hf: packed rows need all of {_FLASH_KWARGS}, got {given}, missing {missing}; "
-                         f"DataCollatorWithFlattening(return_flash_attn_kwargs=True) produces all four")
-    cu_q, cu_k = (kwargs[k].to(torch.int32).reshape(-1) for k in ("cu_seq_lens_q", "cu_seq_lens_k"))
-    return layout.Layout(None, None, cu_q, cu_k, _bound(kwargs["max_length_q"], tokens),
-                         _bound(kwargs["max_length_k"], tokens))
 
 
 def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
@@ -125,7 +108,8 @@ def _sequences(mask, position_ids, B: int, Sq: int, Sk: int, device, q_end=None)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                      s_aux=None, *, backend: str = "auto", **kwargs):
+                      s_aux=None, *, backend: str = "auto", context_parallel: ContextParallel | None = None,
+                      head_group=None, **kwargs):
     """Hugging Face attention-interface function: ``(out [B, Sq, HQ, D], None)`` (see the module doc).
 
     Args:
@@ -136,16 +120,22 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         scaling: softmax scale (default ``1/sqrt(D)``); sliding_window: ``W`` or None.
         s_aux: sinks ``[HQ]`` (any float dtype, gradient in its dtype) or None.
         backend: sinkattn backend, ``"auto"`` = cpu for CPU tensors, triton for CUDA tensors.
+        context_parallel: run on this rank's shard of the tokens (``sinkattn.hf.context``), or None.
+        head_group: the group a sequence-parallel wrapper split the heads over, when ``s_aux`` holds
+            more heads than ``query`` (``sinkattn.hf.heads``); None: DeepSpeed's, if made.
         kwargs: ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``is_causal``,
             ``output_attentions``; the rest is ignored.
     """
     is_causal = kwargs.get("is_causal")
     _refuse(module, dropout, getattr(module, "is_causal", True) if is_causal is None else is_causal, kwargs)
+    s_aux = heads.local_sinks(s_aux, query.shape[1], head_group)
     options = dict(sinks=s_aux, softmax_scale=scaling, causal=True, backend=backend,
                    window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)     # [B, S, H, D]
+    if context_parallel is not None:
+        return context.attention(q, k, v, attention_mask, kwargs, options, context_parallel), None
     B, Sq = q.shape[0], q.shape[1]
-    flash = _flash_layout(kwargs, B * Sq)
+    flash = layout.flash(kwargs, B * Sq)
     if flash is not None:
         if attention_mask is not None:
             raise ValueError("sinkattn.hf: got both a padding attention_mask and cu_seq_lens_q/k; packed rows carry "

@@ -17,6 +17,9 @@ with a padding mask too). A row's first real token always starts a sequence; row
 one. Positions are read only for self-attention (``Sq == Sk``): with a cache, the queries of a
 row are the last ``Sq`` of its one sequence's keys (bottom-right aligned).
 
+``flash(kwargs, tokens)`` takes the packing as given by the four flash-attention kwargs
+(``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): all ``B*S`` rows, in order.
+
 Two builders give the same sequences:
 
     exact(...)   only the real tokens and the real sequences; reads the lengths back to the host
@@ -36,7 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "exact", "fixed", "memoized", "one_run"]
+__all__ = ["Layout", "exact", "fixed", "flash", "memoized", "one_run", "FLASH_KWARGS"]
+
+FLASH_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,29 @@ class Layout:
     @property
     def sequences(self) -> int:
         return self.cu_q.numel() - 1
+
+
+def _bound(value, tokens):
+    """A ``max_length_*`` kwarg as the varlen API's ``max_seqlen``. A tensor is read back in eager
+    mode; under tracing, where reading it would break the graph, the token count bounds it."""
+    if isinstance(value, torch.Tensor):
+        return tokens if torch.compiler.is_compiling() else int(value.item())
+    return value if torch.compiler.is_compiling() else int(value)
+
+
+def flash(kwargs, tokens: int) -> Layout | None:
+    """The packed layout of the flash kwargs ``cu_seq_lens_q/k`` (int ``[N+1]``) and ``max_length_q/k``
+    over ``tokens`` rows, or None when none is given; all four or none (else ValueError)."""
+    given = [k for k in FLASH_KWARGS if kwargs.get(k) is not None]
+    if not given:
+        return None
+    if len(given) != len(FLASH_KWARGS):
+        missing = [k for k in FLASH_KWARGS if k not in given]
+        raise ValueError(f"sinkattn.hf: packed rows need all of {FLASH_KWARGS}, got {given}, missing {missing}; "
+                         f"DataCollatorWithFlattening(return_flash_attn_kwargs=True) produces all four")
+    cu_q, cu_k = (kwargs[k].to(torch.int32).reshape(-1) for k in ("cu_seq_lens_q", "cu_seq_lens_k"))
+    return Layout(None, None, cu_q, cu_k, _bound(kwargs["max_length_q"], tokens),
+                  _bound(kwargs["max_length_k"], tokens))
 
 
 def _starts(real: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,184 @@
+"""A tiny gpt-oss trained one step context-parallel, as ``torchrun`` runs it, for tests/test_hf_cp.py.
+
+    python -m torch.distributed.run --standalone --nproc-per-node P -m sinkattn.testing.hf_cp FOLDER
+
+Every rank builds the same seeded model (``config()``: layers alternating sliding window 8 / full,
+HQ=12, HKV=6, so that Ulysses splits the heads over P = 2 and 3) and the same packed batch of
+``DOCUMENTS`` (lengths that 2P does not divide, longer than the window), then for each of ``RUNS``
+(method, layout): ``shard_batch``, forward, loss, backward, and gathers the full result: the
+logits of the padded packing (``unshard_varlen``), the loss and every gradient summed over the
+group. Then the refusals (every rank raises the same error), and a call on this rank's heads
+with the whole sinks under ``head_group=`` (``_head_group``). Each rank saves
+``FOLDER/rank{r}.pt``; the test compares them with one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import traceback
+
+import torch
+
+__all__ = ["config", "DOCUMENTS", "RUNS", "batch", "real_rows", "padded_lengths_for", "serve", "launch",
+           "relative_error"]
+
+DOCUMENTS = (13, 5, 20, 9)
+RUNS = (("ring", "zigzag"), ("ulysses", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous"))
+
+
+def config():
+    from . import gpt_oss
+    return gpt_oss.config(num_attention_heads=12, num_key_value_heads=6, head_dim=8)
+
+
+def batch(seed: int = 0, documents=DOCUMENTS, flash_kwargs: bool = True) -> dict:
+    """The packed batch of ``documents`` (lengths) as ``DataCollatorWithFlattening`` makes it: input_ids,
+    labels (-100 at each document's first token), position_ids, and the flash kwargs if ``flash_kwargs``."""
+    from transformers import DataCollatorWithFlattening
+
+    g = torch.Generator().manual_seed(seed)
+    docs = [{"input_ids": torch.randint(1, 128, (n,), generator=g).tolist()} for n in documents]
+    return dict(DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs))
+
+
+def padded_lengths_for(P: int, layout: str) -> list[int]:
+    multiple = 2 * P if layout == "zigzag" else P
+    return [-(-n // multiple) * multiple for n in DOCUMENTS]
+
+
+def real_rows(P: int, layout: str) -> torch.Tensor:
+    """int64: the rows of the padded packing that hold the documents' own tokens, in order."""
+    rows, start = [], 0
+    for n, padded in zip(DOCUMENTS, padded_lengths_for(P, layout)):
+        rows.append(torch.arange(start, start + n))
+        start += padded
+    return torch.cat(rows)
+
+
+def _run(method: str, layout: str) -> dict:
+    import torch.distributed as dist
+
+    import sinkattn.distributed as cp
+    import sinkattn.hf
+    from . import gpt_oss
+
+    name = sinkattn.hf.register(f"sinkattn_cp_{method}_{layout}",
+                                context_parallel=sinkattn.hf.ContextParallel(None, method, layout))
+    model = gpt_oss.model(config(), attn_implementation=name).train()
+    local = sinkattn.hf.shard_batch(batch(), layout=layout)
+    out = model(**local)
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)
+    grads = {}
+    for n, p in model.named_parameters():
+        grads[n] = p.grad.clone()
+        dist.all_reduce(grads[n])
+    logits = cp.unshard_varlen(out.logits[0].detach().contiguous(), local["cu_seq_lens_q"], layout=layout)
+    return dict(loss=loss, logits=logits, grads=grads, local_tokens=local["input_ids"].shape[1])
+
+
+def _raised(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as exc:      # noqa: BLE001 - recorded for the test
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _refusals() -> dict:
+    """The errors each rank raised: position_ids of the rank's tokens on rank 0 only (the others
+    pass ``arange``), and a padding mask."""
+    import torch.distributed as dist
+
+    import sinkattn.hf
+    from . import gpt_oss
+
+    name = sinkattn.hf.register("sinkattn_cp_refusals", context_parallel=sinkattn.hf.ContextParallel())
+    model = gpt_oss.model(config(), attn_implementation=name)
+    local = sinkattn.hf.shard_batch(batch())
+    wrong = local["position_ids"] if dist.get_rank() == 0 else torch.arange(local["input_ids"].shape[1])[None]
+    padding = torch.ones_like(local["input_ids"]).index_fill_(1, torch.tensor([0]), 0)
+    return {"positions not sharded": _raised(lambda: model(**dict(local, position_ids=wrong))),
+            "padding mask": _raised(lambda: model(**local, attention_mask=padding))}
+
+
+def _head_group() -> dict:
+    """Rank r calls the attention function with query heads r*HQ/P .. (r+1)*HQ/P - 1 (and their KV
+    heads) of a full sequence and the whole sinks ``[HQ]``, as a head-splitting wrapper does, under
+    a name registered with ``head_group=``: its output and the sinks' gradient, and those of one
+    call on every head."""
+    import torch.distributed as dist
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import sinkattn.hf
+    from . import gpt_oss
+
+    P, rank = dist.get_world_size(), dist.get_rank()
+    name = sinkattn.hf.register("sinkattn_head_group", head_group=dist.group.WORLD)
+    module = gpt_oss.model(config(), attn_implementation=name).model.layers[0].self_attn
+    HQ, HKV = module.config.num_attention_heads, module.config.num_key_value_heads
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, h, 24, 8, generator=g) for h in (HQ, HKV, HKV))
+    dout = torch.randn(1, 24, HQ, 8, generator=g)
+    options = dict(scaling=module.scaling, sliding_window=module.sliding_window)
+    every = torch.nn.Parameter(module.sinks.detach().clone())
+    full, _ = sinkattn.hf.attention_forward(module, q, k, v, None, s_aux=every, **options)
+    (full * dout).sum().backward()
+    mine = torch.nn.Parameter(module.sinks.detach().clone())
+    heads, kv = (slice(rank * h // P, (rank + 1) * h // P) for h in (HQ, HKV))
+    part, _ = ALL_ATTENTION_FUNCTIONS[name](module, q[:, heads], k[:, kv], v[:, kv], None, s_aux=mine, **options)
+    (part * dout[:, :, heads]).sum().backward()
+    return dict(full=full.detach()[:, :, heads], part=part.detach(), dsinks_full=every.grad, dsinks_part=mine.grad,
+                heads=(heads.start, heads.stop))
+
+
+def serve(folder: str, init, steps) -> None:
+    """A rank's whole run: ``init()`` joins the group, then ``steps`` (``(key, fn)`` pairs) fill
+    ``results[key] = fn()`` until one raises (its traceback kept as ``results["failure"]``); the results go
+    to ``folder/rank{r}.pt`` and the group is destroyed."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    init()
+    results: dict = {"failure": None, "world_size": dist.get_world_size()}
+    try:
+        for key, step in steps:
+            results[key] = step()
+    except Exception:             # noqa: BLE001 - reported to the test process
+        results["failure"] = traceback.format_exc()
+    torch.save(results, os.path.join(folder, f"rank{dist.get_rank()}.pt"))
+    dist.destroy_process_group()
+
+
+def launch(P: int, folder, module: str = "sinkattn.testing.hf_cp", timeout: float = 600.0) -> list[dict]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node P -m module folder`` (what ``torchrun``
+    runs); every rank's results. RuntimeError with the output's tail if it fails or a rank reports a failure."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(P),
+               "-m", module, str(folder)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {run.returncode}:\n{run.stdout[-2000:]}{run.stderr[-4000:]}")
+    results = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(P)]
+    for r, res in enumerate(results):
+        if res["failure"] is not None or res["world_size"] != P:
+            raise RuntimeError(f"rank {r} of {P} ({res['world_size']}) failed:\n{res['failure']}")
+    return results
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
+    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
+def main(folder: str) -> None:
+    import torch.distributed as dist
+
+    serve(folder, lambda: dist.init_process_group("gloo"),
+          [("runs", lambda: {run: _run(*run) for run in RUNS}), ("refusals", _refusals), ("head_group", _head_group)])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

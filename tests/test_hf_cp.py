@@ -1,0 +1,121 @@
+"""Context parallelism inside a Hugging Face gpt-oss (``register(..., context_parallel=)``, ``shard_batch``),
+launched as a user launches it: ``torchrun --nproc-per-node P`` (``python -m torch.distributed.run``), P = 2 and 3,
+gloo on CPU, fp32. Every rank's loss, logits and every parameter gradient (sinks included), gathered and summed
+over the group, against one process running the unpadded packed batch through ``attn_implementation="sinkattn"``.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+transformers = pytest.importorskip("transformers", minversion="5.4")
+
+import sinkattn.hf  # noqa: E402
+from sinkattn.hf import heads  # noqa: E402
+from sinkattn.testing import gpt_oss, hf_cp  # noqa: E402
+from sinkattn.testing.hf_cp import relative_error as rel  # noqa: E402
+
+NAME = sinkattn.hf.register()
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=(2, 3), ids=lambda P: f"P{P}")
+def launched(request, tmp_path_factory):
+    return request.param, hf_cp.launch(request.param, tmp_path_factory.mktemp(f"hf-cp{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """Loss, logits ``[T, V]`` and gradients of the unpadded packed batch in one process."""
+    model = gpt_oss.model(hf_cp.config(), attn_implementation=NAME).train()
+    out = model(**hf_cp.batch())
+    out.loss.backward()
+    return dict(loss=out.loss.detach(), logits=out.logits[0].detach(),
+                grads={n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("run", hf_cp.RUNS, ids=lambda r: "-".join(r))
+def test_loss_logits_and_every_gradient_match_one_process(launched, one_process, run):
+    P, results = launched
+    method, layout = run
+    want = one_process
+    sinks = [n for n in want["grads"] if n.endswith("self_attn.sinks")]
+    assert len(sinks) == 4 and all(want["grads"][n].abs().min() > 0 for n in sinks)
+    padded = hf_cp.padded_lengths_for(P, layout)
+    assert any(p != n for p, n in zip(padded, hf_cp.DOCUMENTS)), "the documents must need padding"
+    first = results[0]["runs"][run]
+    for r, res in enumerate(results):
+        got = res["runs"][run]
+        assert got["local_tokens"] == sum(padded) // P
+        for name in ("loss", "logits"):          # summed / gathered: the same on every rank
+            assert torch.equal(got[name], first[name]), (r, name)
+        assert all(torch.equal(got["grads"][n], first["grads"][n]) for n in want["grads"]), r
+    assert first["logits"].shape[0] == sum(padded)
+    assert rel(first["loss"], want["loss"]) <= RTOL, f"{run} P={P}: loss {first['loss']} vs {want['loss']}"
+    logits = first["logits"][hf_cp.real_rows(P, layout)]
+    assert rel(logits, want["logits"]) <= RTOL, f"{run} P={P}: logits rel err {rel(logits, want['logits']):.2e}"
+    assert first["grads"].keys() == want["grads"].keys()
+    for name, g in want["grads"].items():
+        assert g.abs().max() > 0, name
+        err = rel(first["grads"][name], g)
+        assert err <= RTOL, f"{run} P={P}: grad {name} rel err {err:.2e}"
+    assert all(first["grads"][n].abs().min() > 0 for n in sinks)
+
+
+def test_refusals_are_raised_on_every_rank(launched):
+    """position_ids that are the rank's tokens' on rank 0 only, and a padding mask: the same ValueError on every
+    rank (none waits in a collective), naming the rank that refused and what to do."""
+    P, results = launched
+    texts = {"positions not sharded": f"rank 1 of {P} rejected its inputs: sinkattn.hf context parallelism: "
+                                      f"position_ids on rank 1 are not the positions of its tokens",
+             "padding mask": "context parallelism takes no padding mask: pad whole documents instead"}
+    for which, text in texts.items():
+        raised = [res["refusals"][which] for res in results]
+        assert all(e == raised[0] for e in raised), raised
+        assert raised[0][0] == "ValueError" and text in raised[0][1], raised[0]
+
+
+def test_head_group_cuts_the_sinks_to_the_ranks_heads(launched):
+    """A call with rank r's query heads r*HQ/P .. and the whole sinks [HQ], under ``head_group=``: the output of
+    those heads in the call on every head, and the sinks' gradient in those heads only."""
+    P, results = launched
+    HQ = hf_cp.config().num_attention_heads
+    for r, res in enumerate(results):
+        got = res["head_group"]
+        lo, hi = got["heads"]
+        assert (lo, hi) == (r * HQ // P, (r + 1) * HQ // P)
+        assert rel(got["part"], got["full"]) <= RTOL
+        assert torch.equal(got["dsinks_part"][:lo], torch.zeros(lo)) and not got["dsinks_part"][hi:].any()
+        assert rel(got["dsinks_part"][lo:hi], got["dsinks_full"][lo:hi]) <= RTOL
+        assert got["dsinks_part"][lo:hi].abs().min() > 0
+
+
+def test_sinks_longer_than_the_heads_without_a_head_group_are_refused():
+    module = gpt_oss.model(hf_cp.config(), attn_implementation=NAME).model.layers[0].self_attn
+    q = torch.randn(1, 6, 8, 8)
+    with pytest.raises(ValueError, match=r"sinks \(s_aux\) have 12 heads but the attention call got 6 query heads.*"
+                                         r"head_group=group"):
+        sinkattn.hf.attention_forward(module, q, q, q, None, s_aux=module.sinks)
+    with pytest.raises(ValueError, match="12 is not a multiple of 5"):
+        sinkattn.hf.attention_forward(module, q[:, :5], q, q, None, s_aux=module.sinks)
+    assert heads.deepspeed_group() is None
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="method must be one of"):
+        sinkattn.hf.ContextParallel(method="tree")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        sinkattn.hf.ContextParallel(layout="diagonal")
+    with pytest.raises(TypeError, match="context_parallel must be a sinkattn.hf.ContextParallel"):
+        sinkattn.hf.register("sinkattn_cp_bad", context_parallel="ring")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sinkattn.hf.shard_batch(hf_cp.batch())
+
+
+def test_padded_lengths():
+    from sinkattn.hf.shard import padded_lengths
+    assert padded_lengths([13, 5, 20, 9, 0], 4) == [16, 8, 20, 12, 0]
+    assert padded_lengths([13, 5, 20, 9], 6) == [18, 6, 24, 12]
