@@ -8,6 +8,8 @@ import torch
 import sinkattn
 from sinkattn import reference
 
+pytestmark = pytest.mark.floor   # also run on the oldest supported torch (.ci/floor)
+
 
 def _dense(B=2, Sq=37, Sk=37, HQ=4, HKV=2, D=16, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -42,6 +42,7 @@ def _call(q, k, v, sinks, backend, window=(-1, -1)):
                                           window_size=window, return_lse=True, backend=backend)
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_mixed_inputs_cast_to_autocast_dtype_pass_gate_a_against_golden_of_cast_inputs(backend, dtype):
@@ -152,6 +153,7 @@ COMPILED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.floor
 def test_inductor_fullgraph_under_autocast_in_a_fresh_process(tmp_path):
     run = subprocess.run([sys.executable, "-c", COMPILED], capture_output=True, text=True, timeout=900,
                          env=cold_cache_env(tmp_path))

@@ -1,5 +1,6 @@
 """The ``sinkattn`` command end to end on tiny shapes: tables, JSON with every figure, exit codes."""
 
+import argparse
 import itertools
 import json
 import math
@@ -370,6 +371,30 @@ def test_help_points_to_the_contract_in_the_repository(capsys):
         helps.append(capsys.readouterr().out)
     assert "docs/contract.md" in helps[0] and "docs/contract.md" in helps[1]
     assert not any("DESIGN.md" in h for h in helps)
+
+
+# reStructuredText that a terminal shows as is: ``literal``, :role:`x`, `link`_, .. directive::
+RST_MARKUP = re.compile(r"``|:[a-z]+:`|`_|^\s*\.\. \w+::", re.MULTILINE)
+
+
+def test_rst_markup_pattern_finds_what_a_docstring_carries():
+    for text in ("see ``sinkattn.testing.bench``", "see :func:`sink_attn_func`", "`docs`_", "  .. note::"):
+        assert RST_MARKUP.search(text), text
+    assert not RST_MARKUP.search("sinkattn verify [--level L0] (see sinkattn.testing.bench), docs/contract.md §5")
+
+
+def test_help_of_every_command_is_plain_text(capsys):
+    subparsers = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    commands = sorted(subparsers.choices)
+    assert commands == ["bench", "verify"]
+    for argv in (["--help"], *([c, "--help"] for c in commands)):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith("usage: sinkattn"), argv
+        found = [m.group(0) for m in RST_MARKUP.finditer(text)]
+        assert not found, f"sinkattn {' '.join(argv)}: reStructuredText markup {found} in\n{text}"
 
 
 def _skeleton(line: str) -> str:

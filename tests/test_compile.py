@@ -14,7 +14,7 @@ from conftest import cold_cache_env
 SCRIPT = Path(__file__).with_name("compile_check.py")
 
 
-@pytest.mark.parametrize("shapes", ["static", "dynamic"])
+@pytest.mark.parametrize("shapes", [pytest.param("static", marks=pytest.mark.floor), "dynamic"])
 def test_inductor_fullgraph_first_call_in_a_fresh_process(shapes, tmp_path):
     run = subprocess.run([sys.executable, str(SCRIPT), shapes], capture_output=True, text=True, timeout=900,
                          env=cold_cache_env(tmp_path))
@@ -73,6 +73,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.floor
 def test_numpy_bool_under_compile_runs_or_says_pass_a_python_bool(tmp_path):
     """torch.compile traces a numpy bool as an array: the default compile (which may break the graph)
     runs it as eager does; fullgraph=True gets our message, not dynamo's failure to print an array."""

@@ -8,6 +8,8 @@ from torch.export import Dim, export
 
 import sinkattn
 
+pytestmark = pytest.mark.floor   # also run on the oldest supported torch (.ci/floor)
+
 HQ, HKV, D = 4, 2, 16
 WINDOW = (7, 0)
 

@@ -114,6 +114,7 @@ def _check(entry, backend, names, kind):
         assert torch.equal(a, b), f"{entry.__name__}: result {i} differs with {kind} views of {viewed} on {backend}"
 
 
+@pytest.mark.floor
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_function_takes_views(backend, kind):

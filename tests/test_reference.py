@@ -8,6 +8,8 @@ import torch
 
 from sinkattn import reference
 
+pytestmark = pytest.mark.floor   # also run on the oldest supported torch (.ci/floor)
+
 
 def _concat_column_attention(q, k, v, sinks, cu_q, cu_k, scale, causal, window):
     """Per sequence, written from docs/contract.md §1 without sharing code with the library."""

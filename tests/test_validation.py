@@ -6,6 +6,8 @@ import torch
 
 from sinkattn import sink_attn_func, sink_attn_varlen_func
 
+pytestmark = pytest.mark.floor   # also run on the oldest supported torch (.ci/floor)
+
 
 def _packed(Tq=10, Tk=12, HQ=4, HKV=2, D=8, dtype=torch.float32):
     return dict(
@@ -142,3 +144,79 @@ def test_cu_seqlens_changed_behind_the_version_counter_is_checked_again(backend,
         cu.numpy()[1] = 11
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
         sink_attn_varlen_func(**args)
+
+
+# --- SDPA's [B, H, S, D] passed where flash-attn's [B, S, H, D] is expected --------------------------------------
+
+SDPA_HINT = "did you pass [B, H, S, D] (SDPA layout)?"
+
+
+def _eager_sdpa_layout(q, k, v, sinks, causal):
+    """Sink attention written out on SDPA's layout: q [B, HQ, Sq, D], k/v [B, HKV, Sk, D] -> [B, HQ, Sq, D]."""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1).double(), v.repeat_interleave(G, 1).double()
+    s = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:      # bottom-right aligned
+        Sq, Sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(Sq, Sk, dtype=torch.bool).triu(Sk - Sq + 1), -torch.inf)
+    sink = sinks.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
+    return (p @ v).to(q.dtype)
+
+
+SDPA_MISTAKES = [
+    # (id, B, HQ, HKV, Sq, Sk, with sinks): q [B, HQ, Sq, D], k and v [B, HKV, Sk, D] in SDPA's layout
+    ("sinks_of_the_heads", 2, 4, 2, 12, 12, True),     # reads as HQ=12, HKV=12: only the sinks' length tells
+    ("mha_sinks", 1, 8, 8, 16, 16, True),
+    ("lengths_not_multiples", 2, 4, 2, 10, 12, False),  # reads as HQ=10, HKV=12
+    ("gqa_decode", 1, 8, 2, 1, 7, False),               # reads as HQ=1, HKV=7
+    ("empty_queries", 2, 4, 2, 0, 9, False),            # reads as HQ=0
+]
+
+
+@pytest.mark.parametrize("B,HQ,HKV,Sq,Sk,with_sinks", [pytest.param(*c[1:], id=c[0]) for c in SDPA_MISTAKES])
+def test_sdpa_layout_is_named_and_the_hint_fixes_the_call(B, HQ, HKV, Sq, Sk, with_sinks):
+    q, k, v = torch.randn(B, HQ, Sq, 16), torch.randn(B, HKV, Sk, 16), torch.randn(B, HKV, Sk, 16)
+    sinks = torch.randn(HQ) if with_sinks else None
+    with pytest.raises(ValueError) as info:
+        sink_attn_func(q, k, v, sinks=sinks, causal=True)
+    assert SDPA_HINT in str(info.value) and "transpose(1, 2)" in str(info.value), str(info.value)
+    out = sink_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), sinks=sinks, causal=True)
+    expected = _eager_sdpa_layout(q, k, v, torch.full((HQ,), -torch.inf) if sinks is None else sinks, True)
+    torch.testing.assert_close(out.transpose(1, 2), expected)
+
+
+VALID_LOOKALIKES = [
+    # (id, B, S, HQ, HKV): flash-attn layout whose dims could be read either way; each must run, and right
+    ("seq_equals_heads", 2, 4, 4, 2),
+    ("seq_equals_kv_heads", 2, 2, 4, 2),
+    ("seq_divides_heads", 1, 2, 8, 8),
+    ("one_token", 3, 1, 4, 1),
+    ("more_heads_than_tokens", 1, 3, 16, 4),
+]
+
+
+@pytest.mark.parametrize("B,S,HQ,HKV", [pytest.param(*c[1:], id=c[0]) for c in VALID_LOOKALIKES])
+def test_valid_dense_inputs_that_look_transposed_still_run(B, S, HQ, HKV):
+    q, k, v = torch.randn(B, S, HQ, 8), torch.randn(B, S, HKV, 8), torch.randn(B, S, HKV, 8)
+    sinks = torch.randn(HQ)
+    out = sink_attn_func(q, k, v, sinks=sinks, causal=True)
+    expected = _eager_sdpa_layout(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), sinks, True)
+    torch.testing.assert_close(out, expected.transpose(1, 2))
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,sinks", [
+    ((2, 6, 4, 8), (2, 4, 3, 8), None),       # HQ % HKV != 0 either way (4 % 3, 6 % 4)
+    ((2, 6, 4, 8), (2, 6, 2, 8), 3),          # sinks of neither reading's HQ
+])
+def test_errors_the_swapped_reading_does_not_explain_carry_no_hint(q_shape, kv_shape, sinks):
+    q, k = torch.randn(q_shape), torch.randn(kv_shape)
+    with pytest.raises(ValueError) as info:
+        sink_attn_func(q, k, k.clone(), sinks=None if sinks is None else torch.zeros(sinks))
+    assert SDPA_HINT not in str(info.value), str(info.value)
+
+
+def test_packed_calls_get_no_layout_hint():
+    with pytest.raises(ValueError) as info:
+        _call(k=torch.randn(12, 3, 8), v=torch.randn(12, 3, 8))
+    assert SDPA_HINT not in str(info.value)

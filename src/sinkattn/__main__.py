@@ -1,4 +1,4 @@
-"""``sinkattn`` / ``python -m sinkattn``: is it right, and how fast is it, on this machine.
+"""sinkattn / python -m sinkattn: is it right, and how fast is it, on this machine.
 
     sinkattn verify [--level L0|L1|L2|boundary|all] [--backend auto|cpu|triton|reference] [--device cpu|cuda]
                     [--dtype fp16|bf16|fp32] [--repeats N] [--no-gate-b] [--json FILE]
@@ -14,7 +14,7 @@ factor against eager attention in the input dtype, and bitwise determinism over
 It runs on the GPU when there is one (backend auto -> triton), else on the CPU.
 
 bench times sinkattn against the attention available here (see
-``sinkattn.testing.bench``): the median, min and max of --repeats runs, with a
+sinkattn.testing.bench): the median, min and max of --repeats runs, with a
 warning when they spread more than 20%; --plot writes any format matplotlib
 writes, by the file's extension (png, pdf, svg, jpg, ...). The exit code is 1
 if sinkattn failed on any problem or mode (a peer that cannot run or fails is
@@ -23,6 +23,7 @@ reported in a note).
 Dtypes take either spelling (fp16 or float16, ...). Every option is checked
 before any work: a bad value is a one-line error and exit code 2.
 """
+# The docstring above is the --help text as printed: plain text, no reStructuredText markup.
 
 from __future__ import annotations
 

@@ -24,9 +24,16 @@ ELIGIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes autocast casts (its ``is_eligible``: floating point, not float64)."""
 
 
+@torch.compiler.assume_constant_result
+def _available(device_type: str) -> bool:
+    """Whether autocast exists for ``device_type``: fixed for the process, so a traced call takes it as a
+    constant (torch 2.11's Dynamo cannot trace ``torch.amp.is_autocast_available`` itself)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts eligible tensors on ``device_type`` to, or None when it is off there."""
-    if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+    if not (_available(device_type) and torch.is_autocast_enabled(device_type)):
         return None
     return torch.get_autocast_dtype(device_type)
 

@@ -17,6 +17,14 @@ from .call import settle
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
 
 
+def _at_most(bound, count):
+    """``min(bound, count)`` of ints or SymInts, without a guard on symbolic ones (``torch.sym_min``);
+    plain ints take ``min``, since torch 2.11's Dynamo refuses ``torch.sym_min`` of two ints."""
+    if isinstance(bound, torch.SymInt) or isinstance(count, torch.SymInt):
+        return torch.sym_min(bound, count)
+    return min(bound, count)
+
+
 def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                           return_lse=False, backend="auto"):
@@ -53,7 +61,7 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = dtensor.placed(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
     call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend)
     # a bound past the token count bounds no more than it (and then fits the op's int64)
-    max_seqlen_q, max_seqlen_k = torch.sym_min(max_seqlen_q, q.shape[0]), torch.sym_min(max_seqlen_k, k.shape[0])
+    max_seqlen_q, max_seqlen_k = _at_most(max_seqlen_q, q.shape[0]), _at_most(max_seqlen_k, k.shape[0])
     o, lse, *_ = ops.attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                call.softmax_scale, call.window, call.backend, call.needs_grad)
     out = o if o.dtype == q.dtype else o.to(q.dtype)

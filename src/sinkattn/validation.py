@@ -16,7 +16,7 @@ import weakref
 import torch
 
 __all__ = ["check_varlen", "check_dense", "check_options", "check_cu_seqlens_contents", "as_bool", "check_qkv",
-           "check_cu_seqlens", "check_max_seqlen", "check_offsets",
+           "check_cu_seqlens", "check_max_seqlen", "check_offsets", "sdpa_layout_hint",
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "MAX_SOFTMAX_SCALE"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,6 +65,25 @@ def _tensor(name: str, x, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(x.shape)}")
 
 
+def sdpa_layout_hint(q: torch.Tensor, k: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> str:
+    """A hint for an error raised on a dense call, or "": whether the call reads right as SDPA's
+    ``[B, H, S, D]``, i.e. with dims 1 and 2 swapped, where flash-attn's ``[B, S, H, D]`` is expected.
+
+    It does when dim 1 holds heads that fit: ``q.shape[1]`` a multiple of ``k.shape[1]`` (given k)
+    and the length of ``sinks`` (given sinks). Only called once an error is certain, so it rejects
+    nothing by itself (a call that reads right both ways cannot be told apart, and runs).
+    """
+    if q.dim() != 4 or (k is not None and k.dim() != 4):
+        return ""
+    heads_q = q.shape[1]
+    if heads_q < 1 or (k is not None and (k.shape[1] < 1 or heads_q % k.shape[1] != 0)):
+        return ""
+    if sinks is not None and tuple(sinks.shape) != (heads_q,):
+        return ""
+    return ("; did you pass [B, H, S, D] (SDPA layout)? dense inputs are [B, S, H, D] (flash-attn's): "
+            "pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), and transpose(1, 2) the output back")
+
+
 def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
     """q, k, v: tensors of one float dtype and device, ``token_dims`` leading dims, heads and D that fit."""
     rank = token_dims + 2
@@ -88,9 +107,10 @@ def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head dim D must be in 1..{MAX_HEAD_DIM}, got {D}")
     if HQ < 1 or HKV < 1:
-        raise ValueError(f"head counts must be >= 1, got HQ={HQ}, HKV={HKV}")
+        raise ValueError(f"head counts must be >= 1, got HQ={HQ}, HKV={HKV}{sdpa_layout_hint(q, k)}")
     if HQ % HKV != 0:
-        raise ValueError(f"query heads HQ={HQ} must be a multiple of KV heads HKV={HKV} (GQA group size HQ/HKV)")
+        raise ValueError(f"query heads HQ={HQ} must be a multiple of KV heads HKV={HKV} (GQA group size HQ/HKV)"
+                         f"{sdpa_layout_hint(q, k)}")
 
 
 def check_cu_seqlens(name: str, cu, device: torch.device) -> None:
@@ -219,7 +239,8 @@ def check_options(q, sinks, softmax_scale, causal, window_size, return_lse) -> N
         if not sinks.dtype.is_floating_point:
             raise TypeError(f"sinks must have a floating-point dtype, got {sinks.dtype}")
         if tuple(sinks.shape) != (HQ,):
-            raise ValueError(f"sinks must have shape [HQ] = ({HQ},), got {tuple(sinks.shape)}")
+            raise ValueError(f"sinks must have shape [HQ] = ({HQ},), got {tuple(sinks.shape)}"
+                             f"{sdpa_layout_hint(q, sinks=sinks)}")
         if sinks.device != q.device:
             raise ValueError(f"sinks must be on the device of q ({q.device}), got {sinks.device}")
     if softmax_scale is not None:
