@@ -143,6 +143,20 @@ def test_bench_shape_and_window(tmp_path):
         _rate_and_ratio_follow_from_the_times(r, rows)
 
 
+def test_bench_threads_sets_torch_threads_and_refuses_zero(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    before = torch.get_num_threads()
+    try:
+        assert cli.main(["bench", "--shape", "1,32,4,2,16", "--modes", "fwd", "--providers", "sinkattn",
+                         "--repeats", "1", "--threads", "1", "--json", str(out)]) == 0
+        assert json.loads(out.read_text())["header"]["threads"] == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--threads", "0"])
+    assert exc.value.code == 2 and "--threads: must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_module_entry_point_help():
     run = subprocess.run([sys.executable, "-m", "sinkattn", "--help"], capture_output=True, text=True)
     assert run.returncode == 0 and "verify" in run.stdout and "bench" in run.stdout

@@ -210,6 +210,8 @@ def check_bench(ap, args) -> None:
 def cmd_bench(args) -> int:
     console, Table, progress = _rich()
     problems, modes = args.problems, args.modes
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     info = bench.header(args.device)
     console.print("bench: " + ", ".join(f"{k}={v}" for k, v in info.items()))
     with progress:
@@ -300,6 +302,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=options.at_least(1), default=3, metavar="N",
                    help="timed runs (median, min, max); default 3")
     b.add_argument("--device", **device)
+    b.add_argument("--threads", type=options.at_least(1), metavar="N",
+                   help="torch threads for every provider (default: torch's own, one per core); on a machine "
+                        "other jobs keep busy, 1 is often several times faster")
     b.add_argument("--json", type=options.json_file, metavar="FILE", help="write every figure to this file")
     b.add_argument("--plot", type=options.plot_file, metavar="FILE",
                    help="time against sequence length, a panel per mode, in the format of FILE's extension "
