@@ -289,16 +289,21 @@ class Dominant:
             self.best, self.key = torch.where(better, best, self.best), torch.where(better, key, self.key)
 
     def add(self, ds: torch.Tensor) -> None:
-        """One chunk's ``dS``."""
-        rows = ds.sum(-1, keepdim=True)
+        """One chunk's ``dS``, summed in fp64."""
+        rows = ds.sum(-1, keepdim=True, dtype=torch.float64)
         self.ds_sum = rows if self.ds_sum is None else self.ds_sum.add_(rows)
 
     def correction(self, sink_mass: torch.Tensor | None, delta: torch.Tensor, dlse: torch.Tensor | None):
-        """``[..., M, 1]``: what to add to the dominant key's ``dS`` (0 on a row without keys)."""
-        target = torch.zeros_like(delta) if sink_mass is None else sink_mass * delta
+        """``[..., M, 1]`` fp32: what to add to the dominant key's ``dS`` (0 on a row without keys).
+
+        The sum and the target are taken in fp64: the row's ``dS`` are each rounded once, as the direct form's
+        are, and the correction adds one rounding more (an fp32 sum would add one per partial sum, of the size
+        of the largest ``dS``, where the dominant key holds little more than half the mass)."""
+        delta = delta.double()
+        target = torch.zeros_like(delta) if sink_mass is None else sink_mass.double() * delta
         if dlse is not None:
-            target = target + dlse
-        return torch.where(self.best >= DOMINANT_FROM, target - self.ds_sum, 0.0)
+            target = target + dlse.double()
+        return torch.where(self.best >= DOMINANT_FROM, target - self.ds_sum, 0.0).float()
 
     def fold(self, fix: torch.Tensor, chunks) -> None:
         """Add ``fix`` to the dominant keys' ``dS`` before the products: ``chunks`` are ``(ds [..., M, C],
