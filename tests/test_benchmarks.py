@@ -55,7 +55,7 @@ def test_every_script_takes_the_common_options():
                               capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     with ThreadPoolExecutor(4) as pool:
         runs = dict(zip(SCRIPTS, pool.map(helps, SCRIPTS)))
-    assert len(SCRIPTS) == 12 and UNTIMED < set(SCRIPTS)
+    assert len(SCRIPTS) == 13 and UNTIMED < set(SCRIPTS)
     for script, run in runs.items():
         assert run.returncode == 0, (script, run.stderr[-2000:])
         listed = run.stdout.split("\noptions:\n")[-1]                  # the options, not the description
@@ -122,6 +122,25 @@ def test_cpu_benchmark_quick(tmp_path):
         assert r["window_cost_vs_causal"] == quotient(t["window_511_0"], t["causal"])
         assert f"cost {r['window_cost_vs_causal']:.3f}x" in stdout
     assert "peak growth" in stdout
+
+
+def test_products_benchmark_quick(tmp_path):
+    stdout, report = _quick("products", tmp_path, "--threads", "1")
+    assert report["header"]["threads"] == 1 and [r["product"] for r in report["rows"]] == ["scores Q K^T", "P V / dS K"]
+    for r in report["rows"]:
+        s = r["shape"]
+        flop = 2.0 * s["batch"] * s["M"] * s["K"] * s["N"]
+        assert {"fp32", "bf16_out", "bf16_mode"} <= set(r["seconds"]) and isinstance(r["rounds"], bool)
+        for key, t in r["seconds"].items():
+            samples_hold(dict(seconds=t, samples=r["samples"][key]))
+            assert r["gflops"][key] == quotient(flop, t * 1e9)
+            assert r["speed_vs_fp32"][key] == quotient(r["seconds"]["fp32"], t)
+        # every variant with an fp32 result is the exact product of these bf16-valued operands up to fp32
+        # rounding; bf16_out is rounded to bf16
+        scale = 4 * s["K"] * 2.0 ** -24 * 16            # K terms of |a b| < 16 (randn, 4 sigma), a few ulp each
+        assert all(r["max_error"][key] < scale for key in r["max_error"] if key != "bf16_out"), r["max_error"]
+        assert r["max_error"]["bf16_out"] > r["fp32_max_error"]
+        assert f"{r['gflops']['fp32']:6.1f} GFLOP/s" in stdout
 
 
 def _gpu_benchmark(tmp_path, *args, flag="--tiny"):
