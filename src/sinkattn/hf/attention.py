@@ -61,15 +61,17 @@ def _refuse(module, dropout, is_causal, kwargs) -> None:
 
 
 def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
-    """``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]`` through the varlen API -> ``[B, Sq, HQ, D]``."""
+    """``q [B, Sq, HQ, D]``, ``k [B, Sk, HKV, D]``, ``v [B, Sk, HKV, Dv]`` through the varlen API ->
+    ``[B, Sq, HQ, Dv]``."""
     B, Sq, HQ, D = q.shape
+    Dv = v.shape[-1]
     qf, kf, vf = q.reshape(B * Sq, HQ, D), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if lay.index_q is not None:
         qf, kf, vf = qf[lay.index_q], kf[lay.index_k], vf[lay.index_k]
     out = sink_attn_varlen_func(qf, kf, vf, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, **options)
     if lay.index_q is not None:
-        out = out.new_zeros(B * Sq, HQ, D).index_put((lay.index_q,), out)
-    return out.view(B, Sq, HQ, D)
+        out = out.new_zeros(B * Sq, HQ, Dv).index_put((lay.index_q,), out)
+    return out.view(B, Sq, HQ, Dv)
 
 
 def _real_keys(mask, k, Sq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
