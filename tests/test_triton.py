@@ -43,6 +43,28 @@ def test_triton_full_head_dims(D):
     assert result.passed, describe(result)
 
 
+@pytest.mark.parametrize("case", [
+    cases.Case("L2", 2, 2, (20, 0, 33), (20, 0, 33), D=24, Dv=16, window_size=(9, 0)),
+    cases.Case("L2", 2, 1, (17,), (30,), D=16, Dv=40, dtype=torch.float32, causal=False, lse_grad=True),
+], ids=lambda c: c.name)
+def test_triton_value_head_dim_differs(case):
+    """``v [Tk, HKV, Dv]`` with ``Dv != D``: q, k and v padded to one ``BLOCK_D`` (the audited classes)."""
+    result = verify.run_case(case, "triton", device=DEVICE)
+    assert result.passed, describe(result)
+
+
+def test_triton_refuses_head_dims_past_its_tiles_naming_the_fix():
+    from sinkattn import backends
+    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 256, got 512"):
+        backends.choose("triton", backends.Request("cuda", torch.float16, 512, True))
+    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 256, got v's 320"):
+        backends.choose("triton", backends.Request("cuda", torch.float16, 192, True, 320))
+    q = torch.randn(4, 2, 512, device=DEVICE)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 256, got 512"):
+        sink_attn_varlen_func(q, q, q, cu, cu, 4, 4, backend="triton")
+
+
 @pytest.mark.determinism
 @pytest.mark.parametrize("case", [pytest.param(_small(c), id=_small(c).name) for c in cases.cases("L0")[:4]])
 def test_triton_bitwise_deterministic(case):

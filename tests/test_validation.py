@@ -33,11 +33,13 @@ RULES = [
     ("q_float64", dict(q=torch.randn(10, 4, 8, dtype=torch.float64)), TypeError, ["q", "float64"]),
     ("q_rank", dict(q=torch.randn(10, 32)), ValueError, ["q", "rank 3"]),
     ("k_rank", dict(k=torch.randn(1, 12, 2, 8)), ValueError, ["k", "rank 3"]),
-    ("v_shape", dict(v=torch.randn(12, 2, 4)), ValueError, ["k and v", "same shape"]),
+    ("v_heads", dict(v=torch.randn(12, 1, 8)), ValueError, ["k and v", "same shape", "head dim"]),
+    ("v_tokens", dict(v=torch.randn(11, 2, 8)), ValueError, ["k and v", "same shape"]),
+    ("v_head_dim_too_big", dict(v=torch.randn(12, 2, 513)), ValueError, ["v's head dim Dv", "512", "513"]),
     ("dtype_mismatch", dict(k=torch.randn(12, 2, 8, dtype=torch.float16)), TypeError, ["dtype", "float16"]),
     ("head_dim_mismatch", dict(k=torch.randn(12, 2, 4), v=torch.randn(12, 2, 4)), ValueError, ["head dim"]),
-    ("head_dim_too_big", dict(q=torch.randn(10, 4, 257), k=torch.randn(12, 2, 257), v=torch.randn(12, 2, 257)),
-     ValueError, ["head dim", "256"]),
+    ("head_dim_too_big", dict(q=torch.randn(10, 4, 513), k=torch.randn(12, 2, 513), v=torch.randn(12, 2, 513)),
+     ValueError, ["head dim", "512"]),
     ("hq_not_multiple", dict(k=torch.randn(12, 3, 8), v=torch.randn(12, 3, 8)), ValueError, ["HQ=4", "HKV=3"]),
     ("cu_not_tensor", dict(cu_seqlens_q=[0, 4, 10]), TypeError, ["cu_seqlens_q"]),
     ("cu_int64", dict(cu_seqlens_q=torch.tensor([0, 4, 10])), TypeError, ["cu_seqlens_q", "int32"]),
@@ -116,6 +118,17 @@ def test_explicit_backend_that_cannot_run_says_why():
     with pytest.raises(NotImplementedError, match="no backend runs on 'mps' tensors; move them to the CPU"):
         backends.choose("auto", backends.Request("mps", torch.float16, 64, needs_grad=True))
     assert backends.choose("auto", backends.Request("cpu", torch.bfloat16, 256, True)) == "cpu"
+    assert backends.choose("cpu", backends.Request("cpu", torch.float32, 512, True, 128)) == "cpu"
+
+
+def test_value_head_dim_may_differ_from_the_query_head_dim():
+    """``v [Tk, HKV, Dv]`` with ``Dv != D``: ``out [Tq, HQ, Dv]``; the dense API takes it too."""
+    args = _packed()
+    v = torch.randn(12, 2, 5)
+    out = sink_attn_varlen_func(args["q"], args["k"], v, args["cu_seqlens_q"], args["cu_seqlens_k"], 6, 7)
+    assert out.shape == (10, 4, 5)
+    assert sink_attn_func(torch.randn(2, 3, 4, 8), torch.randn(2, 5, 2, 8), torch.randn(2, 5, 2, 12)).shape == \
+        (2, 3, 4, 12)
 
 
 def test_cu_seqlens_changed_in_place_is_checked_again():

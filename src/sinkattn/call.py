@@ -28,6 +28,7 @@ def settle(q, k, v, sinks, softmax_scale, causal, window_size, backend) -> Call:
     cannot take the call). Reads shapes and Python values only, so it traces without a graph break."""
     autodiff.refuse_unsupported(q, k, v, sinks)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
-    name = backends.choose(backend, backends.Request(q.device.type, q.dtype, q.shape[-1], needs_grad))
+    request = backends.Request(q.device.type, q.dtype, q.shape[-1], needs_grad, v.shape[-1])
+    name = backends.choose(backend, request)
     window = Window.of(validation.as_bool("causal", causal), window_size)
     return Call(name, window, defaults.softmax_scale(q.shape[-1], softmax_scale), needs_grad)

@@ -129,7 +129,7 @@ def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
     HQ = q.shape[-2]
     T = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
     stat = (HQ, T)
-    return (q.new_empty(q.shape, dtype=out_dtype), q.new_empty(stat, dtype=torch.float32),
+    return (q.new_empty(q.shape[:-1] + v.shape[-1:], dtype=out_dtype), q.new_empty(stat, dtype=torch.float32),
             q.new_empty(stat, dtype=out_dtype), q.new_empty(stat, dtype=out_dtype))
 
 

@@ -38,16 +38,16 @@ def _visible_sum(p, x, vis):
 
 
 def _sequence_grads(p, delta, dob, qb, kb, vb, vis, softmax_scale, HKV):
-    """One sequence's ``dq [Lq, HQ, D]``, ``dk``/``dv [Lk, HKV, D]`` from ``P [HQ, Lq, Lk]`` and
+    """One sequence's ``dq [Lq, HQ, D]``, ``dk [Lk, HKV, D]``, ``dv [Lk, HKV, Dv]`` from ``P [HQ, Lq, Lk]`` and
     ``Delta [HQ, Lq]``: ``dS = P (dP - Delta)``, every sum over visible pairs only (a NaN or inf of
     ``q``, ``k``, ``v`` or ``dO`` reaches the sums of the pairs that hold it), dk/dv summed over the group."""
-    HQ, Lk, D = p.shape[0], p.shape[2], qb.shape[2]
+    HQ, Lk = p.shape[0], p.shape[2]
     G = HQ // HKV
     ds = torch.where(vis, p * (dob @ vb.transpose(1, 2) - delta[..., None]), 0.0)          # [HQ, Lq, Lk]
     dq = softmax_scale * _visible_sum(ds, kb, vis)
     dk = softmax_scale * _visible_sum(ds.transpose(1, 2), qb, vis.t())
     dv = _visible_sum(p.transpose(1, 2), dob, vis.t())
-    return dq.transpose(0, 1), *(x.view(HKV, G, Lk, D).sum(1).transpose(0, 1) for x in (dk, dv))
+    return dq.transpose(0, 1), *(x.view(HKV, G, Lk, x.shape[-1]).sum(1).transpose(0, 1) for x in (dk, dv))
 
 
 def _probabilities(qb, kb, sink, scale, left, right):

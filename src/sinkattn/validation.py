@@ -20,7 +20,7 @@ __all__ = ["check_varlen", "check_dense", "check_options", "check_cu_seqlens_con
            "FLOAT_DTYPES", "MAX_HEAD_DIM", "MAX_SOFTMAX_SCALE"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 MAX_SOFTMAX_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 """Scores run in fp32, in base 2 inside the kernels: ``softmax_scale * log2(e)`` must be an fp32 number."""
 _DTYPE_NAMES = "float16, bfloat16 or float32"
@@ -96,8 +96,9 @@ def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
                         f"(e.g. k.to(q.dtype)), or call inside torch.autocast, which casts all three to its dtype")
     if k.device != device or v.device != device:
         raise ValueError(f"q, k and v must be on one device, got q {device}, k {k.device}, v {v.device}")
-    if k_shape != v.shape:
-        raise ValueError(f"k and v must have the same shape {layout_kv}, got k {tuple(k_shape)}, v {tuple(v.shape)}")
+    if k_shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape {layout_kv} but for the head dim (v's may differ: Dv), "
+                         f"got k {tuple(k_shape)}, v {tuple(v.shape)}")
     if token_dims == 2 and k_shape[0] != q_shape[0]:
         raise ValueError(f"q and k must have the same batch size B, got q {q_shape[0]}, k {k_shape[0]}")
     HQ, D = q_shape[-2], q_shape[-1]
@@ -106,6 +107,8 @@ def check_qkv(q, k, v, token_dims: int, layout_q: str, layout_kv: str) -> None:
         raise ValueError(f"q and k must have the same head dim D, got q {D}, k {Dk}")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head dim D must be in 1..{MAX_HEAD_DIM}, got {D}")
+    if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"v's head dim Dv must be in 1..{MAX_HEAD_DIM}, got {v.shape[-1]}")
     if HQ < 1 or HKV < 1:
         raise ValueError(f"head counts must be >= 1, got HQ={HQ}, HKV={HKV}{sdpa_layout_hint(q, k)}")
     if HQ % HKV != 0:

@@ -19,6 +19,7 @@ class Request(NamedTuple):
     dtype: torch.dtype
     head_dim: int
     needs_grad: bool
+    value_dim: int = -1         # v's head dim Dv; -1: the same as head_dim
 
 
 class Batch(NamedTuple):
@@ -42,6 +43,7 @@ class Capabilities:
     out_dtype: torch.dtype = torch.float32      # dtype of the forward's ``o`` and statistics
     base2: bool = False        # statistics in base 2 (``sinkattn.sink``)
     dense: bool = False        # its forward may take a dense no-grad call's tensors as they are
+    value_dim: bool = True     # takes v with a head dim Dv other than q's and k's D
 
     def why_not(self, request: Request) -> str | None:
         """None when the backend can take ``request``, else the reason in one sentence."""
@@ -53,6 +55,12 @@ class Capabilities:
             return f"backend {self.name!r} supports dtypes {names}, got {request.dtype}"
         if request.head_dim > self.max_head_dim:
             return f"backend {self.name!r} supports head dims up to {self.max_head_dim}, got {request.head_dim}"
+        if request.value_dim > self.max_head_dim:
+            return f"backend {self.name!r} supports head dims up to {self.max_head_dim}, got v's {request.value_dim}"
+        if not self.value_dim and request.value_dim not in (-1, request.head_dim):
+            return (f"backend {self.name!r} needs v's head dim equal to q's and k's, got Dv={request.value_dim}, "
+                    f"D={request.head_dim}; use backend='cpu' (CPU tensors) or 'reference', or pad v to D and "
+                    f"slice the output's last dim back to Dv")
         if request.needs_grad and not self.backward:
             return f"backend {self.name!r} has no backward"
         return None

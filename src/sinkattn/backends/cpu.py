@@ -34,7 +34,7 @@ CAPABILITIES = Capabilities(
     name="cpu",
     device_types=frozenset({"cpu"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    max_head_dim=256,
+    max_head_dim=512,
     dense=True,
 )
 
@@ -58,6 +58,8 @@ def _dense(q, k, v, window, softmax_scale):
     in ``v`` stay in the formula's terms: every row sees every key of the call, or (a causal
     diagonal) the call is declined."""
     B, Sq, HQ = q.shape[:3]
+    if v.shape[-1] != q.shape[-1]:                  # the fused kernel takes one head dim
+        return None
     part = cpu_fused.single_part(Sq, k.shape[1], *window) if B > 0 and softmax_scale > 0 else None
     if part is None:
         return None
@@ -72,7 +74,8 @@ def _dense(q, k, v, window, softmax_scale):
 
 
 def forward(q, k, v, batch, window, softmax_scale, needs_grad):
-    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o [Tq, HQ, D] fp32, Stats [HQ, Tq] fp32)`` over keys;
+    """``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``, ``v [Tk, HKV, Dv]`` -> ``(o [Tq, HQ, Dv] fp32, Stats [HQ, Tq] fp32)``
+    over keys;
     or a dense no-grad call as it is (``batch`` None, see ``_dense``)."""
     if batch is None:
         return _dense(q, k, v, window, softmax_scale)
@@ -81,10 +84,11 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     check_fp32_range(score_bound(q32, k32, softmax_scale), q32, k32)
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
     literal = nonfinite.present(q32, k32, v32)
-    out = buffers.new((Tq, HQ, D), torch.float32, q.device)
+    out = buffers.new((Tq, HQ, v.shape[2]), torch.float32, q.device)          # [Tq, HQ, Dv]
     m = buffers.new((HQ, Tq), torch.float32, q.device)
     log_l = buffers.new((HQ, Tq), torch.float32, q.device)
-    if not needs_grad and not literal and softmax_scale > 0:   # the fused kernel masks before it scales
+    # the fused kernel masks before it scales, and takes one head dim (Dv = D)
+    if not needs_grad and not literal and softmax_scale > 0 and v.shape[2] == D:
         cpu_fused.forward(q32, k32, v32, parts.runs, out, m, softmax_scale, window)
         for run in parts.runs:
             rows = slice(run.tq, run.tq + run.n * run.Lq)

@@ -18,7 +18,7 @@ CAPABILITIES = Capabilities(
     name="reference",
     device_types=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    max_head_dim=256,
+    max_head_dim=512,
     out_dtype=torch.float64,
 )
 

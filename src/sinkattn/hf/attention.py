@@ -1,12 +1,13 @@
 """The attention function sinkattn registers in ``transformers.AttentionInterface``.
 
 Hugging Face calls it from every attention layer with ``query [B, HQ, Sq, D]``,
-``key``/``value [B, HKV, Sk, D]`` (``Sk >= Sq``: with a cache the keys hold the past too) and
-the layer's mask (what ``sinkattn.hf.masks.key_mask`` returned). It returns
-``(out [B, Sq, HQ, D], None)``. Per layer:
+``key [B, HKV, Sk, D]``, ``value [B, HKV, Sk, Dv]`` (``Sk >= Sq``: with a cache the keys hold the
+past too; ``Dv`` may differ from ``D``) and the layer's mask (what ``sinkattn.hf.masks.key_mask``
+returned). It returns ``(out [B, Sq, HQ, Dv], None)``. Per layer:
 
-    causal=True, window_size = (W - 1, 0) if sliding_window=W else (-1, -1)
-    sinks = s_aux (gpt-oss's ``sinks`` parameter, its own dtype), softmax_scale = scaling
+    causal = the layer's is_causal (a decoder: True; a bidirectional encoder: False)
+    window_size = (W - 1, W - 1) if sliding_window=W else (-1, -1)   (causal: (W - 1, 0))
+    sinks = s_aux (the layer's ``sinks`` parameter, its own dtype), softmax_scale = scaling
 
 and one of three layouts, all bottom-right aligned (query i of a sequence with Lq queries and
 Lk keys is key Lk - Lq + i):
@@ -37,7 +38,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import masks
 from ..interface import sink_attn_func, sink_attn_varlen_func
+from ..masks import Window
 from . import context, heads, layout
 from .context import ContextParallel
 from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN
@@ -47,7 +50,7 @@ __all__ = ["attention_forward"]
 _EAGER = "or load the model with attn_implementation='eager'"
 
 
-def _refuse(module, dropout, is_causal, kwargs) -> None:
+def _refuse(module, dropout, kwargs) -> None:
     """What sinkattn cannot honour: a clear error instead of a silently different result."""
     if dropout and dropout > 0 and getattr(module, "training", True):
         raise ValueError(f"sinkattn has no attention dropout, got dropout={dropout} in training; set "
@@ -56,20 +59,54 @@ def _refuse(module, dropout, is_causal, kwargs) -> None:
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         raise ValueError("sinkattn never materializes attention weights, so output_attentions=True cannot be "
                          f"served; drop output_attentions (also from the config) {_EAGER}")
-    if not is_causal:
-        raise ValueError(f"sinkattn.hf runs causal decoder attention only, got is_causal=False; {_EAGER}")
+
+
+def _refuse_sparse(module, key, kwargs) -> None:
+    """Sparse key selections a layer adds to its mask, which sinkattn (dense over the visible keys)
+    cannot honour: a clear error instead of a silently different result."""
+    indices = kwargs.get("indices")
+    if isinstance(indices, torch.Tensor) and indices.shape[-1] < key.shape[2]:
+        raise ValueError(
+            f"sinkattn.hf: this layer's sparse-attention indexer selects the top {indices.shape[-1]} of its "
+            f"{key.shape[2]} keys per query (DeepSeek Sparse Attention); sinkattn attends to every visible key. "
+            f"Raise config.index_topk to at least the sequence length (then every key is selected and the result "
+            f"is exact), {_EAGER}")
+    if getattr(module, "compressor", None) is not None:
+        raise ValueError(
+            f"sinkattn.hf: layer type {getattr(module, 'layer_type', '?')!r} appends compressed key/value entries "
+            f"with their own block mask (DeepSeek-V4's compressed attention), which sinkattn cannot express; it "
+            f"runs the 'sliding_attention' layers; set config.layer_types to those only, {_EAGER}")
+
+
+def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor:
+    """The real-key mask ``bool [B, Sk]`` of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to
+    ``indexed_attention`` layers, ``sinkattn.hf.masks.INDEXED``), after checking that the mask is
+    exactly this layer's pattern (causal / window, bottom-right) over those real keys."""
+    if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
+        raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
+                         f"for {Sq} queries and {Sk} keys; {_EAGER}")
+    left, right = Window.of(options["causal"], options["window_size"])
+    vis = masks.visible(torch.arange(Sq, device=mask.device), torch.arange(Sk, device=mask.device), Sq, Sk,
+                        left, right)                                                        # [Sq, Sk]
+    real = mask[:, 0].any(1)                                                                # [B, Sk]
+    if not torch.equal(mask[:, 0], vis[None] & real[:, None, :]):
+        raise ValueError("sinkattn.hf: the layer's 4-D attention mask is not its causal / sliding-window pattern over "
+                         f"the real keys (a custom or block mask), which sinkattn cannot express; {_EAGER}")
+    return real
 
 
 def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
-    """``q [B, Sq, HQ, D]``, ``k``/``v [B, Sk, HKV, D]`` through the varlen API -> ``[B, Sq, HQ, D]``."""
+    """``q [B, Sq, HQ, D]``, ``k [B, Sk, HKV, D]``, ``v [B, Sk, HKV, Dv]`` through the varlen API ->
+    ``[B, Sq, HQ, Dv]``."""
     B, Sq, HQ, D = q.shape
+    Dv = v.shape[-1]
     qf, kf, vf = q.reshape(B * Sq, HQ, D), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if lay.index_q is not None:
         qf, kf, vf = qf[lay.index_q], kf[lay.index_k], vf[lay.index_k]
     out = sink_attn_varlen_func(qf, kf, vf, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, **options)
     if lay.index_q is not None:
-        out = out.new_zeros(B * Sq, HQ, D).index_put((lay.index_q,), out)
-    return out.view(B, Sq, HQ, D)
+        out = out.new_zeros(B * Sq, HQ, Dv).index_put((lay.index_q,), out)
+    return out.view(B, Sq, HQ, Dv)
 
 
 def _real_keys(mask, k, Sq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -110,11 +147,11 @@ def _sequences(mask, position_ids, B: int, Sq: int, Sk: int, device, q_end=None)
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                       s_aux=None, *, backend: str = "auto", context_parallel: ContextParallel | None = None,
                       head_group=None, **kwargs):
-    """Hugging Face attention-interface function: ``(out [B, Sq, HQ, D], None)`` (see the module doc).
+    """Hugging Face attention-interface function: ``(out [B, Sq, HQ, Dv], None)`` (see the module doc).
 
     Args:
         module: the attention layer (reads ``training``, ``is_causal``, ``config.output_attentions``).
-        query: ``[B, HQ, Sq, D]``; key, value: ``[B, HKV, Sk, D]``, ``Sq <= Sk``.
+        query: ``[B, HQ, Sq, D]``; key: ``[B, HKV, Sk, D]``, value: ``[B, HKV, Sk, Dv]``, ``Sq <= Sk``.
         attention_mask: None, the real-key mask ``bool [B, n]`` of ``sinkattn.hf.masks.key_mask`` or
             its int8 slot mask ``[B, Sk]`` (a static cache, traced).
         scaling: softmax scale (default ``1/sqrt(D)``); sliding_window: ``W`` or None.
@@ -127,10 +164,13 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             ``output_attentions``; the rest is ignored.
     """
     is_causal = kwargs.get("is_causal")
-    _refuse(module, dropout, getattr(module, "is_causal", True) if is_causal is None else is_causal, kwargs)
+    is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    _refuse(module, dropout, kwargs)
+    _refuse_sparse(module, key, kwargs)
     s_aux = heads.local_sinks(s_aux, query.shape[1], head_group)
-    options = dict(sinks=s_aux, softmax_scale=scaling, causal=True, backend=backend,
-                   window_size=(sliding_window - 1, 0) if sliding_window else (-1, -1))
+    # flash-attn's reading of Hugging Face's sliding_window W: (W - 1, W - 1), causal making it (W - 1, 0)
+    options = dict(sinks=s_aux, softmax_scale=scaling, causal=is_causal, backend=backend,
+                   window_size=(sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)     # [B, S, H, D]
     if context_parallel is not None:
         return context.attention(q, k, v, attention_mask, kwargs, options, context_parallel), None
@@ -142,6 +182,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                              "no padding, pass one or the other")
         return _varlen(q, k, v, flash, options), None
     mask = q_end = None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        attention_mask = _pattern_mask(attention_mask.expand(B, -1, -1, -1), Sq, k.shape[1], options)
     if attention_mask is not None:
         mask, q_end = _real_keys(attention_mask, k, Sq)
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]   # a static cache's unwritten slots follow the n columns

@@ -1,9 +1,10 @@
 """The mask function sinkattn registers in ``transformers.masking_utils.AttentionMaskInterface``.
 
 Hugging Face builds one mask per layer type (full / sliding) before the layers run, by calling
-the registered function with the mask *pattern* (``mask_function``: causal, or causal and a
-sliding window) and the 2-D padding mask. sinkattn computes the pattern itself (``causal=True``,
-``window_size=(W - 1, 0)``), so all it needs from the mask is which keys are real:
+the registered function with the mask *pattern* (``mask_function``: causal or bidirectional,
+with or without a sliding window) and the 2-D padding mask. sinkattn computes the pattern itself
+(from the layer's ``is_causal`` and ``sliding_window``), so all it needs from the mask is which
+keys are real:
 
     returns None                  every key of the layer is real (dense call, bottom-right aligned)
     returns bool [B, n]           key column j of the layer is real iff mask[b, j]; the layer's key
@@ -16,7 +17,7 @@ sliding window) and the 2-D padding mask. sinkattn computes the pattern itself (
 Column ``j`` of the layer's keys is absolute position ``kv_offset + j``; the queries are the
 absolute positions ``q_offset .. q_offset + q_length - 1``, the last ``q_length`` of the ``n``
 columns. A pattern it does not recognise (custom ``or_mask_function`` / ``and_mask_function``,
-block overlays, bidirectional or chunked attention) raises instead of being dropped silently.
+block overlays, chunked attention) raises instead of being dropped silently.
 
 With a sliding window, a row's real keys must be one run (padding on the left or the right):
 sinkattn counts the window in real tokens, eager attention in columns. Full attention needs no
@@ -41,7 +42,7 @@ import torch
 
 from . import layout
 
-__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "UNWRITTEN"]
+__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "UNWRITTEN", "INDEXED"]
 
 _FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
 PADDING_INSIDE_A_ROW = (
@@ -94,7 +95,7 @@ def _traced_pattern_window(fn, local_size: int | None, custom: bool) -> int | No
     transformers sets it exactly when ``or_mask_function`` / ``and_mask_function`` is given)."""
     from transformers import masking_utils as mu
 
-    if fn is mu.causal_mask_function:
+    if fn is mu.causal_mask_function or fn is getattr(mu, "bidirectional_mask_function", None):
         return None
     code = fn.__code__                           # dynamo reads a function's code, not its __qualname__
     if not custom and code.co_name == "and_mask" and code.co_filename == mu.__file__:
@@ -103,11 +104,15 @@ def _traced_pattern_window(fn, local_size: int | None, custom: bool) -> int | No
 
 
 def pattern_window(fn, local_size: int | None = None, custom: bool = False) -> int | None:
-    """``None`` for Hugging Face's causal pattern, ``W`` for causal with sliding window ``W``.
+    """``None`` for Hugging Face's causal or bidirectional pattern, ``W`` for either with a sliding
+    window (causal: the ``W`` keys up to the query; bidirectional: keys ``|i - j| <= W``).
 
-    Recognised: ``causal_mask_function``, ``sliding_window_causal_mask_function(W)`` and the
-    packed-sequence wrappers of either (sinkattn packs from ``position_ids`` itself). Anything
-    else raises ``ValueError``: sinkattn cannot honour a mask pattern it does not know.
+    Recognised: ``causal_mask_function``, ``sliding_window_causal_mask_function(W)``,
+    ``bidirectional_mask_function``, ``sliding_window_bidirectional_mask_function(W)`` and the
+    packed-sequence wrappers of them (sinkattn packs from ``position_ids`` itself). Which of causal
+    or bidirectional a layer runs, the attention function reads from the layer (``is_causal``), as
+    eager attention's mask has it. Anything else raises ``ValueError``: sinkattn cannot honour a
+    mask pattern it does not know.
     ``local_size`` and ``custom`` (transformers' ``use_vmap``) serve the traced check only.
     """
     from transformers import masking_utils as mu
@@ -117,9 +122,10 @@ def pattern_window(fn, local_size: int | None = None, custom: bool = False) -> i
     causal, window, unknown = False, None, []
     for part in _parts(fn):
         name = getattr(part, "__qualname__", repr(part))
-        if part is mu.causal_mask_function:
-            causal = True
-        elif name == "sliding_window_overlay.<locals>.inner_mask":
+        if part is mu.causal_mask_function or part is getattr(mu, "bidirectional_mask_function", None):
+            causal = True               # a known base pattern
+        elif name in ("sliding_window_overlay.<locals>.inner_mask",
+                      "sliding_window_bidirectional_overlay.<locals>.inner_mask"):
             window = _cells(part)["sliding_window"]
         elif name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
             inner = pattern_window(_cells(part)["mask_function"])
@@ -178,6 +184,17 @@ def _(attention_mask, q_offset, batch_size, q_length, kv_length, kv_offset, slid
     return q_offset.new_empty((batch_size, kv_length), dtype=torch.int8)
 
 
+INDEXED = "indexed_attention"
+"""The layer type of models whose sparse-attention indexer reads the layer's 4-D mask itself (HY-V4's
+DSA layers): ``key_mask`` hands them Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask, which the
+attention function checks and reads back as real keys (``sinkattn.hf.attention``)."""
+
+
+def _indexed(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    return bool(layer_types) and INDEXED in layer_types
+
+
 def _has_sliding_layers(config) -> bool:
     """Whether a layer of the model reads the sliding-window mask (True when the config does not say)."""
     layer_types = getattr(config, "layer_types", None)
@@ -188,7 +205,16 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   device=None, **kwargs) -> torch.Tensor | None:
     """Hugging Face's mask-interface call -> ``None``, the real-key mask ``bool [B, n]`` or, traced
-    with a StaticCache, the int8 slot mask ``[B, kv_length]`` (module doc)."""
+    with a StaticCache, the int8 slot mask ``[B, kv_length]`` (module doc); for a model with
+    ``indexed_attention`` layers, whose indexer reads the mask, the boolean ``[B, 1, Sq, Sk]`` one
+    (``INDEXED``)."""
+    if _indexed(kwargs.get("config")):
+        from transformers import masking_utils as mu
+
+        pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))     # a pattern we know
+        return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                            local_size=local_size, allow_is_causal_skip=False, device=device,
+                            use_vmap=bool(kwargs.get("use_vmap", False)))
     window = local_size
     if mask_function is not None:
         window = pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))

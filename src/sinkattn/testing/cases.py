@@ -24,6 +24,7 @@ class Case:
     q_lens: tuple[int, ...]
     k_lens: tuple[int, ...]
     D: int = 128
+    Dv: int | None = None                   # v's head dim when it differs from D (q's and k's)
     dtype: torch.dtype = torch.float16
     causal: bool = True
     window_size: tuple[int, int] = (-1, -1)
@@ -50,7 +51,8 @@ class Case:
         mask = "causal" if self.causal else "full"
         if self.window_size != (-1, -1):
             mask += f"-w{self.window_size[0]}_{self.window_size[1]}"
-        parts = [self.level, f"hq{self.HQ}-g{self.G}", lens, f"d{self.D}", mask,
+        dims = f"d{self.D}" if self.Dv is None else f"d{self.D}-dv{self.Dv}"
+        parts = [self.level, f"hq{self.HQ}-g{self.G}", lens, dims, mask,
                  str(self.dtype).removeprefix("torch.")]
         if self.score_bound is not None:
             parts.append(f"bound{self.score_bound:g}")
@@ -67,7 +69,7 @@ class Case:
         win = tuple(w if w < 0 else min(w, max_len - 1) for w in self.window_size)
         return dataclasses.replace(self, HQ=HQ, G=G, q_lens=tuple(map(cap, self.q_lens)),
                                    k_lens=tuple(map(cap, self.k_lens)), D=min(self.D, max_dim),
-                                   window_size=win)
+                                   Dv=None if self.Dv is None else min(self.Dv, max_dim), window_size=win)
 
     def make(self, device="cpu") -> "Inputs":
         g = torch.Generator().manual_seed(self.seed)
@@ -82,7 +84,8 @@ class Case:
             k = (torch.rand(Tk, self.HKV, self.D, generator=g) * 2 - 1) * a
         else:
             q, k = randn(Tq, self.HQ, self.D), randn(Tk, self.HKV, self.D)
-        v = randn(Tk, self.HKV, self.D)
+        Dv = self.D if self.Dv is None else self.Dv
+        v = randn(Tk, self.HKV, Dv)
         scale, shift = self.input_affine
         q, k, v = (x * scale + shift for x in (q, k, v))
         if self.score_bound is not None and Tq and Tk:
@@ -94,7 +97,7 @@ class Case:
             sinks = torch.full((self.HQ,), self.sink_value)
         elif self.sink_scale is not None:
             sinks = randn(self.HQ) * self.sink_scale
-        do = torch.zeros(Tq, self.HQ, self.D) if self.zero_do else randn(Tq, self.HQ, self.D)
+        do = torch.zeros(Tq, self.HQ, Dv) if self.zero_do else randn(Tq, self.HQ, Dv)
         dlse = randn(self.HQ, Tq) if self.lse_grad else None
 
         def cu(lens):

@@ -86,15 +86,18 @@ def _NO_SINKS(HQ: int, device) -> torch.Tensor:
     return torch.full((HQ,), float("-inf"), dtype=torch.float32, device=device)
 
 
-def _kernel_layout(*tensors) -> list:
+def _kernel_layout(*tensors, width: int | None = None) -> list:
     """Contiguous, 16-byte aligned, ``[T, H, D]`` tensors padded with zeros to ``D = BLOCK_D`` (the next
-    power of two, at least 16): what the kernels assume (``kernels.NO_SPECIALIZE``), so one compiled
-    kernel serves every call of a head-dim class. Zero columns add nothing to ``Q K^T`` and give zero
-    columns in ``O``, ``dQ``, ``dK``, ``dV``, which are cut off again (``_unpadded``)."""
+    power of two, at least 16, of ``width``, else of each tensor's own head dim): what the kernels
+    assume (``kernels.NO_SPECIALIZE``), so one compiled kernel serves every call of a head-dim class.
+    Zero columns add nothing to ``Q K^T`` and give zero columns in ``O``, ``dQ``, ``dK``, ``dV``, which
+    are cut off again (``_unpadded``). A value head dim ``Dv`` other than ``D`` pads q, k and v to one
+    ``BLOCK_D = block_d(max(D, Dv))``: the kernels tile one head dim."""
     out = []
     for t in buffers.contiguous(*tensors):
-        if t is not None and t.dim() == 3 and t.shape[-1] != config.block_d(t.shape[-1]):
-            t = torch.nn.functional.pad(t, (0, config.block_d(t.shape[-1]) - t.shape[-1]))
+        to = config.block_d(width if width is not None else t.shape[-1]) if t is not None and t.dim() == 3 else None
+        if to is not None and t.shape[-1] != to:
+            t = torch.nn.functional.pad(t, (0, to - t.shape[-1]))
         if t is not None and t.data_ptr() % 16:
             t = t.clone()
         out.append(t)
@@ -114,9 +117,10 @@ def _max_lens(q: torch.Tensor, k: torch.Tensor, batch) -> tuple[int, int]:
 def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o [Tq, HQ, D] fp32, Stats(m2, log2_l) [HQ, Tq])``,
     the softmax over keys with its statistics in base 2 (the kernels' row maximum of ``s * log2(e)``)."""
-    D = q.shape[2]
+    Dv = v.shape[2]
     cu_seqlens_q, cu_seqlens_k = batch.cu_seqlens_q, batch.cu_seqlens_k
-    q, k, v, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                         width=max(q.shape[2], Dv))
     Tq, HQ, BLOCK_D = q.shape
     N = cu_seqlens_q.numel() - 1
     out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
@@ -129,15 +133,15 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
                        softmax_scale, *window, max_q, config.chip_for(q.device), _compensated(q.dtype),
                        _upcast(q.dtype))()
     log2_l = torch.where(m2 == float("inf"), float("inf"), log2_l)    # a +inf score: lse = +inf (l is NaN)
-    return _unpadded(out, D), sink.Stats(m2, log2_l)
+    return _unpadded(out, Dv), sink.Stats(m2, log2_l)
 
 
 def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
     """``(dq, dk, dv)`` fp32 shaped like ``q, k, v`` and ``delta [HQ, Tq]``, from the final ``o`` and base-2
     ``stats``. Unless ``partial``, large scores have the dQ kernel sum Delta from its own products."""
-    D = q.shape[2]
+    D, Dv = q.shape[2], v.shape[2]
     do, dlse, q, k, v, o, cu_seqlens_q, cu_seqlens_k = _kernel_layout(
-        do, dlse, q, k, v, o, batch.cu_seqlens_q, batch.cu_seqlens_k)
+        do, dlse, q, k, v, o, batch.cu_seqlens_q, batch.cu_seqlens_k, width=max(D, Dv))
     m2, log2_l = _kernel_layout(*stats)
     Tq, HQ, _ = q.shape
     Tk = k.shape[0]
@@ -164,4 +168,4 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     if N > 0 and Tk > 0:
         launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_k, chip,
                     compensated, upcast)()
-    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, D), delta
+    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, Dv), delta
