@@ -169,7 +169,7 @@ BAD_VALUES = [   # (arguments, the option the one-line error must name): each in
     (["bench", "--shape", "1,256"], "--shape"),
     (["bench", "--shape", "1,-128,4,1,64"], "--shape"),
     (["bench", "--shape", "1,64,6,4,16"], "--shape"),              # HQ not a multiple of HKV
-    (["bench", "--shape", "1,64,4,2,300"], "--shape"),             # D beyond every backend
+    (["bench", "--shape", "1,64,4,2,600"], "--shape"),             # D beyond every backend
     (["bench", "--shape", "1,64,4,2,16", "--window", "63"], "--window"),
     (["bench", "--window", "7,3"], "--window"),                    # right > 0 on causal attention
     (["bench", "--modes", "fwd,backward"], "--modes"),
