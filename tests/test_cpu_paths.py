@@ -6,31 +6,19 @@ import itertools
 import pytest
 import torch
 
-import sinkattn
 from sinkattn import masks
-from sinkattn.backends import buffers, cpu_fused, cpu_tiles
-from sinkattn.testing import cases, precision, verify
+from sinkattn.backends import cpu_fused, cpu_tiles
+from sinkattn.testing import cases, verify
 from conftest import describe
 
 PATH_CASES = [c for c in cases.cases("L2") if max(c.q_lens + c.k_lens) <= 200] + [
     c for c in cases.cases("boundary") if not c.qk_uniform and c.input_affine[0] < 10]
 
 
-def _inference(case: cases.Case):
-    """Gate A reports of ``o`` and ``lse`` of an inference call (no gradient), NaN-poisoned buffers."""
-    x = case.make()
-    with torch.no_grad(), buffers.poisoned():
-        out, lse = sinkattn.sink_attn_varlen_func(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.max_seqlen_q,
-                                                  x.max_seqlen_k, sinks=x.sinks, causal=case.causal,
-                                                  window_size=case.window_size, return_lse=True, backend="cpu")
-    gold = verify.golden(case, x)
-    return [precision.gate_a("o", out, gold[0]), precision.gate_a("lse", lse, gold[1], torch.float32)]
-
-
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in PATH_CASES])
 def test_inference_forward_passes_gate_a(case):
     """Without gradients the runs go through the fused kernel: its forward alone meets the standard."""
-    reports = _inference(case)
+    reports = verify.inference_reports(case)
     assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
 
 
@@ -42,7 +30,7 @@ def test_inference_takes_the_fused_kernel_and_training_the_tiles(case, monkeypat
             calls.append(_module)
             return _real(*a, **kw)
         monkeypatch.setattr(module, "forward", recorded)
-    _inference(case)
+    verify.inference_reports(case)
     assert cpu_tiles not in calls
     calls.clear()
     assert verify.run_case(case, "cpu").passed
@@ -121,7 +109,7 @@ def test_batched_runs_of_blocks_match_the_golden(window, B):
     left, right = window
     bounded = left >= 0 and right >= 0          # only a band repeats its geometry block after block
     assert any(p.count > 1 for p in cpu_fused.plan(700, 700, left, right)) == bounded
-    reports = _inference(case)
+    reports = verify.inference_reports(case)
     assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
     result = verify.run_case(case, "cpu")
     assert result.passed, describe(result)

@@ -18,7 +18,7 @@ from ..masks import Window
 from . import eager, precision
 from .cases import Case, Inputs
 
-__all__ = ["CaseResult", "run_case", "outputs", "eager_outputs", "golden", "TENSORS"]
+__all__ = ["CaseResult", "run_case", "outputs", "inference", "inference_reports", "eager_outputs", "golden", "TENSORS"]
 
 TENSORS = ("o", "lse", "dq", "dk", "dv", "dsinks")
 
@@ -59,6 +59,22 @@ def outputs(case: Case, x: Inputs, backend: str):
                                          return_lse=True, backend=backend)
         grads = _backward(out, lse, x, leaves)
     return [out.detach(), lse.detach(), *grads]
+
+
+def inference(case: Case, x: Inputs, backend: str = "cpu"):
+    """``(o, lse)`` of an inference call (no gradient) on ``backend``, result buffers NaN-poisoned."""
+    with torch.no_grad(), buffers.poisoned():
+        return sink_attn_varlen_func(x.q, x.k, x.v, x.cu_seqlens_q, x.cu_seqlens_k, x.max_seqlen_q, x.max_seqlen_k,
+                                     sinks=x.sinks, causal=case.causal, window_size=case.window_size,
+                                     return_lse=True, backend=backend)
+
+
+def inference_reports(case: Case, backend: str = "cpu") -> list[precision.Report]:
+    """Gate A reports of ``o`` and ``lse`` of an inference call (``inference``) against the golden."""
+    x = case.make()
+    out, lse = inference(case, x, backend)
+    gold = golden(case, x)
+    return [precision.gate_a("o", out, gold[0]), precision.gate_a("lse", lse, gold[1], torch.float32)]
 
 
 def eager_outputs(case: Case, x: Inputs):
