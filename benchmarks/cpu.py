@@ -1,6 +1,6 @@
 """CPU benchmark: sinkattn's cpu backend against torch SDPA and eager sink attention, same run.
 
-    python benchmarks/cpu.py [--quick] [--repeats N] [--threads N] [--json FILE]
+    python benchmarks/cpu.py [--quick] [--repeats N] [--threads N] [--json FILE] [--isa LEVEL]
 
 Prints medians and ratios (never asserts a speed). The peers:
 
@@ -13,6 +13,11 @@ Sections: (1) dense causal B=1, HQ=16, HKV=4, S=2048, D=64, fwd and fwd+bwd, in
 fp32 and bf16; (2) peak memory growth of fwd+bwd at S=16384, HQ=8, HKV=2, D=64,
 fp32, each provider in a fresh process after a tiny warm-up call; (3) causal window (511, 0) against full
 causal at S=8192. ``--threads`` applies to the processes of section (2) too.
+
+``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
+oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without AVX-512 (or
+without its bf16 instructions and AMX) runs, timed on this one. The header records the capability
+PyTorch took.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from sinkattn.testing import bench
+from sinkattn.testing import bench, isa
 
 
 def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
@@ -38,7 +43,7 @@ def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
 _MEMORY_CHILD = """
 import sys
 import torch
-from sinkattn.testing import bench
+from sinkattn.testing import bench, isa
 provider, S, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if threads:
     torch.set_num_threads(threads)
@@ -78,7 +83,15 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
 
 def main(argv=None):
     ap = bench.script_parser(__doc__, repeats=5, quick="smaller shapes and fewer repeats (smoke run)")
+    ap.add_argument("--isa", choices=list(isa.LEVELS),
+                    help="run under this instruction-set ceiling (default: the CPU's own)")
     args = bench.parse_script_args(ap, argv)
+    if args.isa and isa.capability() != args.isa:
+        rest = list(sys.argv[1:] if argv is None else argv)
+        child = subprocess.run([sys.executable, __file__, *rest], env=isa.environment(args.isa))
+        if child.returncode:
+            raise SystemExit(child.returncode)
+        return None
     rows = []
     if args.quick:
         rows += speed("float32", 2, S=256)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinkattn.testing import bench, flops, precision
+from sinkattn.backends import cpu_tiles
+from sinkattn.testing import bench, cases, flops, precision, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
@@ -100,8 +101,9 @@ def _quick(script, tmp_path, *extra, timeout=600, env=None):
 
 
 def test_cpu_benchmark_quick(tmp_path):
-    stdout, report = _quick("cpu", tmp_path, "--threads", "1")
-    assert report["header"]["threads"] == 1
+    """Under an AVX2 ceiling (a rerun in a child process): the figures come from the child, held to it."""
+    stdout, report = _quick("cpu", tmp_path, "--threads", "1", "--isa", "avx2")
+    assert report["header"]["threads"] == 1 and report["header"]["dispatch"] == "avx2"
     rows = report["rows"]
     assert [r["section"] for r in rows] == ["speed"] * 2 + ["memory"] * 3 + ["window"] * 2
     for r in (r for r in rows if r["section"] == "speed"):
@@ -272,12 +274,14 @@ def test_hf_benchmark_ratio_has_no_value_when_the_peer_measured_zero():
     assert hf["_ratio"](1.0, 4.0) == 0.25
 
 
-def test_compensated_benchmark_quick(tmp_path):
-    stdout, report = _quick("compensated", tmp_path)
+@pytest.mark.parametrize("backend,dtypes", [("triton", ["float16", "bfloat16"]), ("cpu", ["bfloat16"])])
+def test_compensated_benchmark_quick(tmp_path, backend, dtypes):
+    stdout, report = _quick("compensated", tmp_path, "--backend", backend)
     rows = report["rows"]
     assert [(r["dtype"], r["compensated"], r["seeds"]) for r in rows] == [
-        ("float16", False, 1), ("float16", True, 1), ("bfloat16", False, 1), ("bfloat16", True, 1)]
-    assert report["command"] == "python benchmarks/compensated.py --seeds 1"
+        (dtype, compensated, 1) for dtype in dtypes for compensated in (False, True)]
+    assert report["command"] == "python benchmarks/compensated.py" + (" --backend cpu" if backend == "cpu" else "") \
+        + " --seeds 1"
     required = {t.required_ratio for t in precision.TOLERANCES.values()}
     assert len(required) == 1
     for r in rows:
@@ -458,3 +462,18 @@ def test_cache_memory_benchmark_quick(tmp_path):
     assert (result["rss_start_mib"], result["rss_end_mib"]) == (result["trace"][0][1], result["trace"][-1][1])
     assert result["growth_mib"] == pytest.approx(result["rss_end_mib"] - result["rss_start_mib"], abs=1e-9)
     assert f"growth over 20 calls with new lengths, window (2047, 2047): {result['growth_mib']:.1f} MiB" in stdout
+
+
+def test_cpu_bf16_operands_are_what_the_compensated_figures_say():
+    """``compensated.py --backend cpu`` hands the tiles bf16 operands: plain ones cost Gate A on a batch
+    of its table (seed 2: dv), the compensated split does not, and the backend's own products return."""
+    script = runpy.run_path(str(ROOT / "benchmarks" / "compensated.py"))
+    own = cpu_tiles.block_products, cpu_tiles._pv
+    case = cases.random_packed(2, dtype=torch.bfloat16, **script["CPU_SIZES"])
+    with script["_cpu_bf16_operands"](False):
+        plain = verify.run_case(case, "cpu")
+    with script["_cpu_bf16_operands"](True):
+        compensated = verify.run_case(case, "cpu")
+    assert not plain.passed and [r.name for r in plain.reports if not r.accepted] == ["dv"]
+    assert compensated.passed
+    assert (cpu_tiles.block_products, cpu_tiles._pv) == own and verify.run_case(case, "cpu").passed

@@ -570,7 +570,8 @@ def write_json(path, record) -> None:
 
 
 def header(device="cpu") -> dict:
-    info = dict(machine=_cpu_model(), isa=_cpu_isa(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+    info = dict(machine=_cpu_model(), isa=_cpu_isa(), dispatch=torch.backends.cpu.get_cpu_capability().lower(),
+                cores=os.cpu_count(), threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
                 commit=_commit())
     try:
