@@ -1,6 +1,7 @@
 """CPU benchmark: sinkattn's cpu backend against torch SDPA and eager sink attention, same run.
 
-    python benchmarks/cpu.py [--quick] [--repeats N] [--threads N] [--json FILE] [--isa LEVEL]
+    python benchmarks/cpu.py [--quick] [--repeats N] [--threads N] [--json FILE] [--sections S [S ...]]
+                             [--isa LEVEL]
 
 Prints medians and ratios (never asserts a speed). The peers:
 
@@ -12,7 +13,10 @@ Prints medians and ratios (never asserts a speed). The peers:
 Sections: (1) dense causal B=1, HQ=16, HKV=4, S=2048, D=64, fwd and fwd+bwd, in
 fp32 and bf16; (2) peak memory growth of fwd+bwd at S=16384, HQ=8, HKV=2, D=64,
 fp32, each provider in a fresh process after a tiny warm-up call; (3) causal window (511, 0) against full
-causal at S=8192. ``--threads`` applies to the processes of section (2) too.
+causal at S=8192; (4) small shapes, fwd+bwd, where the cost per call is overheads more than arithmetic:
+dense causal HQ=4, HKV=2, D=32, fp32 at B=1 and S in {64, 128, 256}, B=4 at S=128, and a packed batch of
+short documents (lengths 96, 40, 72, 48; SDPA takes no packed batch). ``--threads`` applies to the
+processes of section (2) too.
 
 ``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
 oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without AVX-512 (or
@@ -81,8 +85,33 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
     return rows
 
 
+SECTIONS = ("speed", "memory", "window", "small")
+
+SMALL = [bench.Problem(1, S, 4, 2, 32) for S in (64, 128, 256)] + [
+    bench.Problem(4, 128, 4, 2, 32), bench.Problem(1, 256, 4, 2, 32, lens=(96, 40, 72, 48))]
+
+
+def small(repeats, problems=SMALL):
+    """fwd+bwd of small calls, the providers interleaved (``repeats`` each after 10 warm-up calls)."""
+    rows = []
+    for p in problems:
+        inputs = bench.problem_inputs(p, "cpu")
+        steps = {}
+        for name in ("sinkattn", "sdpa", "eager"):
+            fn, _ = bench.PROVIDERS[name](p, *inputs)
+            if fn is not None:
+                steps[name] = bench.mode_step(fn, inputs, "fwdbwd")
+        t = bench.time_interleaved(steps, repeats, warmup=10)
+        rows.append(dict(section="small", mode="fwd+bwd", shape=p.label, seconds=t,
+                         speed_vs_sdpa=t["sdpa"] / t["sinkattn"] if "sdpa" in t else None,
+                         speed_vs_eager=t["eager"] / t["sinkattn"]))
+    return rows
+
+
 def main(argv=None):
     ap = bench.script_parser(__doc__, repeats=5, quick="smaller shapes and fewer repeats (smoke run)")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
+                    help="the sections to run (default: all)")
     ap.add_argument("--isa", choices=list(isa.LEVELS),
                     help="run under this instruction-set ceiling (default: the CPU's own)")
     args = bench.parse_script_args(ap, argv)
@@ -92,16 +121,19 @@ def main(argv=None):
         if child.returncode:
             raise SystemExit(child.returncode)
         return None
+    run = set(args.sections)
     rows = []
     if args.quick:
-        rows += speed("float32", 2, S=256)
-        rows += memory(S=1024, threads=args.threads)
-        rows += window(2, S=1024)
+        rows += speed("float32", 2, S=256) if "speed" in run else []
+        rows += memory(S=1024, threads=args.threads) if "memory" in run else []
+        rows += window(2, S=1024) if "window" in run else []
+        rows += small(3, SMALL[:1] + SMALL[-1:]) if "small" in run else []
     else:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32", "bfloat16") if "speed" in run else ():
             rows += speed(dtype, args.repeats)
-        rows += memory(threads=args.threads)
-        rows += window(max(2, args.repeats // 2))
+        rows += memory(threads=args.threads) if "memory" in run else []
+        rows += window(max(2, args.repeats // 2)) if "window" in run else []
+        rows += small(max(3, 40 * args.repeats)) if "small" in run else []
     info = bench.header()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
     for r in rows:
@@ -115,6 +147,12 @@ def main(argv=None):
                 print(f"[memory] {r['provider']:8s} peak growth {r['peak_growth_gib']:.3f} GiB   ({r['shape']})")
             else:
                 print(f"[memory] {r['provider']:8s} {r['note']}")
+        elif r["section"] == "small":
+            t = r["seconds"]
+            sdpa = (f"sdpa {t['sdpa'] * 1e3:6.3f} ms | vs sdpa {r['speed_vs_sdpa']:.2f}x" if "sdpa" in t
+                    else "sdpa      -   ")
+            print(f"[small] {r['mode']:8s} sinkattn {t['sinkattn'] * 1e3:6.3f} ms | eager {t['eager'] * 1e3:6.3f} ms | "
+                  f"vs eager {r['speed_vs_eager']:.2f}x | {sdpa}   ({r['shape']})")
         else:
             t = r["seconds"]
             print(f"[window] {r['mode']:8s} causal {t['causal'] * 1e3:8.1f} ms | window (511,0) "

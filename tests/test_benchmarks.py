@@ -105,7 +105,7 @@ def test_cpu_benchmark_quick(tmp_path):
     stdout, report = _quick("cpu", tmp_path, "--threads", "1", "--isa", "avx2")
     assert report["header"]["threads"] == 1 and report["header"]["dispatch"] == "avx2"
     rows = report["rows"]
-    assert [r["section"] for r in rows] == ["speed"] * 2 + ["memory"] * 3 + ["window"] * 2
+    assert [r["section"] for r in rows] == ["speed"] * 2 + ["memory"] * 3 + ["window"] * 2 + ["small"] * 2
     for r in (r for r in rows if r["section"] == "speed"):
         t = r["seconds"]
         assert set(t) == {"sinkattn", "sdpa", "eager"} and all(timed(x) for x in t.values())
@@ -124,6 +124,15 @@ def test_cpu_benchmark_quick(tmp_path):
         assert r["window_cost_vs_causal"] == quotient(t["window_511_0"], t["causal"])
         assert f"cost {r['window_cost_vs_causal']:.3f}x" in stdout
     assert "peak growth" in stdout
+    dense, packed = (r for r in rows if r["section"] == "small")
+    assert "S=64" in dense["shape"] and "packed[96, 40, 72, 48]" in packed["shape"]
+    assert set(dense["seconds"]) == {"sinkattn", "sdpa", "eager"} and set(packed["seconds"]) == {"sinkattn", "eager"}
+    for r in (dense, packed):
+        t = r["seconds"]
+        assert all(timed(x) for x in t.values()) and r["speed_vs_eager"] == quotient(t["eager"], t["sinkattn"])
+        assert f"vs eager {r['speed_vs_eager']:.2f}x" in stdout and r["shape"] in stdout
+    assert dense["speed_vs_sdpa"] == quotient(dense["seconds"]["sdpa"], dense["seconds"]["sinkattn"])
+    assert packed["speed_vs_sdpa"] is None
 
 
 def test_products_benchmark_quick(tmp_path):

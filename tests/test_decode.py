@@ -79,15 +79,22 @@ def _op_refused(*args, **kwargs):
     raise AssertionError("sinkattn::forward was dispatched")
 
 
-def test_inference_skips_the_op_and_training_uses_it(monkeypatch):
+def test_plain_eager_skips_the_op_and_modes_use_it(monkeypatch):
+    """Inference and training (``ops._Eager``, its backward too) run the ops' bodies directly in plain eager;
+    under a mode that intercepts torch calls, training goes through the op."""
     q, k, v, sinks = _inputs(2, 1, 24)
     monkeypatch.setattr(ops, "forward", _op_refused)
+    monkeypatch.setattr(ops, "backward", _op_refused)
     with torch.no_grad():
         sinkattn.sink_attn_func(q, k, v, sinks=torch.nn.Parameter(sinks), causal=True)    # a model's sinks
         cu = torch.tensor([0, 1, 2], dtype=torch.int32)                                    # packed: the op's body
         sinkattn.sink_attn_varlen_func(q[:, 0], k[:, 0], v[:, 0], cu, cu, 1, 1, sinks=sinks)
-    with pytest.raises(AssertionError, match="dispatched"):
-        sinkattn.sink_attn_func(q, k, v.requires_grad_(), sinks=sinks, causal=True)
+    out = sinkattn.sink_attn_func(q, k, v.requires_grad_(), sinks=sinks, causal=True)
+    assert type(out.grad_fn).__name__ == "_EagerBackward"
+    out.sum().backward()
+    assert v.grad is not None and bool(v.grad.abs().sum() > 0)
+    with pytest.raises(AssertionError, match="dispatched"), FlopCounterMode(display=False):
+        sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True)
 
 
 def test_modes_and_subclasses_get_the_op():

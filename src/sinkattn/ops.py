@@ -27,10 +27,15 @@ arithmetic is part of the contract (``sinkattn.autocast``).
 
 ``attention`` and ``gradients`` are how the rest of sinkattn calls the ops: through the dispatcher,
 or, for a plain eager call (``is_plain_eager``), the ops' own implementation directly (the same
-function, without the ~30 us dispatch, as long as a decoding step's attention).
+function, without the ~30 us dispatch, as long as a decoding step's attention). A plain eager call
+that autograd records goes through ``_Eager``, an ``autograd.Function`` around the same
+implementation, context and backward as the op's registered autograd (the op's autograd layer and
+two dispatches cost ~100 us, as much as the attention of a short sequence).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -55,15 +60,16 @@ Results = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 sharding rule gives every output its own placement, ``sinkattn.dtensor``)."""
 
 
-def is_plain_eager(*tensors) -> bool:
+def is_plain_eager(*tensors, recorded: bool = False) -> bool:
     """True when a call may run the op's implementation directly: eager mode (not traced or compiled,
     no torch function or dispatch mode such as FakeTensorMode or a FLOP counter), no gradient to
-    record, and plain tensors (no subclass) on a real device."""
+    record (``recorded``: the caller records it itself, ``_Eager``), and plain tensors (no subclass)
+    on a real device."""
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._len_torch_dispatch_stack() > 0:
         return False
-    grad = torch.is_grad_enabled()
+    grad = torch.is_grad_enabled() and not recorded
     for t in tensors:              # a loop, not all(<generator>): this runs once per decoding step
         if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad) or t.is_meta):
             return False
@@ -78,10 +84,21 @@ def _packed(q, k, v, *rest):
     """A dense call's tensors ``[B, S, H, D]`` as a packed batch: ``(q, k, v, *rest)`` contiguous
     ``[B*S, H, D]`` (``rest``: more query-side tensors) and the ``Batch`` of ``B`` equal sequences."""
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
-    steps = torch.arange(B + 1, dtype=torch.int32, device=q.device)
     flat = [None if t is None else t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]).contiguous()
             for t in (q, k, v, *rest)]
-    return flat, Batch(steps * Sq, steps * Sk, Sq, Sk)
+    offsets = _cpu_offsets(B, Sq, Sk) if q.device.type == "cpu" else _offsets(B, Sq, Sk, q.device)
+    return flat, Batch(*offsets, Sq, Sk)
+
+
+def _offsets(B: int, Sq: int, Sk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens_q``, ``cu_seqlens_k`` (int32 ``[B+1]``) of ``B`` sequences of ``Sq`` queries and ``Sk`` keys."""
+    steps = torch.arange(B + 1, dtype=torch.int32, device=device)
+    return steps * Sq, steps * Sk
+
+
+_cpu_offsets = functools.lru_cache(maxsize=16)(functools.partial(_offsets, device="cpu"))
+"""``_offsets`` on the CPU, made once per shape (every layer of a model asks for the same; the backends only
+read them). Not on a GPU, where a tensor made during a CUDA graph capture belongs to that graph's memory."""
 
 
 def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
@@ -187,12 +204,27 @@ def _autograd_backward(ctx, dout, dlse, _dm, _dlog_l):
     # The public output is o cast to q's dtype, so dout holds q-dtype values: cast back exactly.
     # (zeros_like: o's type and placement when the call ran on DTensors)
     dout = torch.zeros_like(o, dtype=q.dtype) if dout is None else dout.to(q.dtype)
-    dq, dk, dv, dsinks = backward(dout.contiguous(), dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q,
-                                  cu_seqlens_k, *ctx.options, False)
+    args = (dout.contiguous(), dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, *ctx.options, False)
+    dq, dk, dv, dsinks = _backward(*args) if is_plain_eager(dout, dlse, q, k, v, sinks, o) else backward(*args)
     return (dq, dk, dv, (dsinks if ctx.has_sinks else None)) + (None,) * 10
 
 
 forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """``sinkattn::forward`` with its registered autograd (``_setup_context``, ``_autograd_backward``), for a
+    plain eager call: the same implementation and gradients, without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _autograd_backward(ctx, *grads)
 
 
 def attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
@@ -200,8 +232,8 @@ def attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     """``(o, lse, m, log_l)`` of ``sinkattn::forward`` (see the module doc), with autograd when ``needs_grad``."""
     args = (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window.left,
             window.right, backend, check_cu_seqlens, needs_grad)
-    if not needs_grad and is_plain_eager(q, k, v, sinks):
-        return _forward(*args)
+    if is_plain_eager(q, k, v, sinks, recorded=needs_grad):
+        return _Eager.apply(*args) if needs_grad else _forward(*args)
     return forward(*args)
 
 

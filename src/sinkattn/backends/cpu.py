@@ -21,6 +21,8 @@ the paths, in fp32 and a fixed order: results are bitwise reproducible.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import sink
@@ -81,9 +83,11 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
         return _dense(q, k, v, window, softmax_scale)
     q32, k32, v32 = q.float(), k.float(), v.float()
     Tq, HQ, D = q.shape
-    check_fp32_range(score_bound(q32, k32, softmax_scale), q32, k32)
+    bound = score_bound(q32, k32, softmax_scale)
+    check_fp32_range(bound, q32, k32)
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
-    literal = nonfinite.present(q32, k32, v32)
+    # a finite, nonzero bound has finite norms: q and k are finite, only v is left to look at
+    literal = nonfinite.present(v32) or (not 0.0 < bound < math.inf and nonfinite.present(q32, k32))
     out = buffers.new((Tq, HQ, v.shape[2]), torch.float32, q.device)          # [Tq, HQ, Dv]
     m = buffers.new((HQ, Tq), torch.float32, q.device)
     log_l = buffers.new((HQ, Tq), torch.float32, q.device)

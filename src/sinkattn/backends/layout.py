@@ -146,9 +146,10 @@ class Span:
         return fresh, seen
 
     def unwritten(self, n: int) -> tuple[slice, ...]:
+        """The slices of ``[0, n)`` outside ``[lo, hi)`` that hold something (none when every part was written)."""
         if self.lo is None:
-            return (slice(0, n),)
-        return slice(0, self.lo), slice(self.hi, n)
+            return (slice(0, n),) if n > 0 else ()
+        return tuple(s for s in (slice(0, self.lo), slice(self.hi, n)) if s.stop > s.start)
 
 
 def write(dst: torch.Tensor, part: torch.Tensor, start: int, fresh: slice, seen: slice) -> None:
@@ -158,7 +159,7 @@ def write(dst: torch.Tensor, part: torch.Tensor, start: int, fresh: slice, seen:
 
 
 def zero_unwritten(span: Span, n: int, *tensors: torch.Tensor, value: float = 0.0) -> None:
-    """Fill what no part wrote along axis 2 (rows or keys nothing sees)."""
+    """Fill what no part wrote along axis 2 (rows or keys nothing sees); nothing to do costs no tensor op."""
     for idx in span.unwritten(n):
         for t in tensors:
             t[:, :, idx] = value

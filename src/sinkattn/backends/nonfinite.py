@@ -11,6 +11,8 @@ infinite signs meet, else the one infinity).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["present", "visible_matmul"]
@@ -21,8 +23,13 @@ _INF = float("inf")
 def present(*tensors: torch.Tensor) -> bool:
     """True when a tensor holds a NaN or an inf: one sum each (a finite sum that overflows counts too;
     it only sends the call down the exact path)."""
-    total = sum(t.sum(dtype=torch.float32) for t in tensors if t.numel() > 0)
-    return isinstance(total, torch.Tensor) and not bool(torch.isfinite(total))
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel() > 0]
+    if not sums:
+        return False
+    total = sums[0]
+    for s in sums[1:]:
+        total = total + s
+    return not math.isfinite(float(total))       # one read, no more tensor ops
 
 
 def visible_matmul(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
