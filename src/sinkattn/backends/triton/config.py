@@ -137,11 +137,12 @@ def blocks_for(chip: str | None, kernel: str, head_dim: int, dtype: torch.dtype)
         return DELTA_512 if head_dim_class(head_dim) == 512 else DELTA
     if chip is None:
         return INTERPRETER
-    tile = TABLE[chip].get((kernel, dtype == torch.float32, head_dim_class(head_dim)))
+    hd = head_dim_class(head_dim)
+    tile = TABLE[chip].get((kernel, dtype == torch.float32, hd))
     if tile is None:
         raise NotImplementedError(
-            f"backend 'triton' has no {kernel} tile for {str(dtype).removeprefix('torch.')} at head dim "
-            f"{head_dim} on {chip} GPUs ({CHIPS[chip].examples}): its operands need more shared memory than "
+            f"backend 'triton' has no {kernel} tile for {str(dtype).removeprefix('torch.')} at head dims "
+            f"{hd // 2 + 1}-{hd} on {chip} GPUs ({CHIPS[chip].examples}): its operands need more shared memory than "
             f"{CHIPS[chip].shared_bytes // 1024} KiB; use float16 / bfloat16, or backend='cpu' (CPU tensors) "
             f"or 'reference'")
     return tile
