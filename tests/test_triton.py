@@ -53,16 +53,44 @@ def test_triton_value_head_dim_differs(case):
     assert result.passed, describe(result)
 
 
+@pytest.mark.parametrize("case", [
+    cases.Case("L2", 4, 2, (13, 0, 20), (13, 0, 20), D=512, window_size=(7, 0)),
+    cases.Case("L2", 2, 1, (17,), (24,), D=320, Dv=512, dtype=torch.float32, causal=False, lse_grad=True),
+], ids=lambda c: c.name)
+def test_triton_head_dims_past_256(case):
+    """The 512 class (DeepSeek-V4's D = 512; D = 320 with Dv = 512 pads q, k, v to 512): a packed GQA batch
+    with an empty sequence and a sliding window, and an MHA call with Lq < Lk, no mask and an lse
+    gradient, forward and backward against the float64 golden, twice: bitwise the same."""
+    result = verify.run_case(case, "triton", repeats=2, device=DEVICE)
+    assert result.passed and result.deterministic is True, describe(result)
+    assert config.block_d(max(case.D, case.Dv or case.D)) == 512
+
+
 def test_triton_refuses_head_dims_past_its_tiles_naming_the_fix():
     from sinkattn import backends
-    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 256, got 512"):
-        backends.choose("triton", backends.Request("cuda", torch.float16, 512, True))
-    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 256, got v's 320"):
-        backends.choose("triton", backends.Request("cuda", torch.float16, 192, True, 320))
-    q = torch.randn(4, 2, 512, device=DEVICE)
+    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 512, got 600"):
+        backends.choose("triton", backends.Request("cuda", torch.float16, 600, True))
+    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 512, got v's 640"):
+        backends.choose("triton", backends.Request("cuda", torch.float16, 192, True, 640))
+    assert backends.choose("triton", backends.Request("cuda", torch.float16, 512, True, 320)) == "triton"
+
+
+def test_fp32_backward_past_256_is_refused_where_it_does_not_fit(monkeypatch):
+    """sm86 GPUs (99 KiB of shared memory a program) have no fp32 dK/dV or dQ tile at 512: a call that
+    needs a gradient is refused before its forward runs, naming the way out; fp16 / bf16 and a call
+    without gradient are not."""
+    with pytest.raises(NotImplementedError, match=r"no dkdv tile for float32 at head dims 257-512 on sm86 .*99 KiB"):
+        config.blocks_for("sm86", "dkdv", 512, torch.float32)
+    assert config.blocks_for("sm86", "dq", 256, torch.float32) == config.TABLE["sm86"][("dq", True, 256)]
+    for chip in config.CHIPS:
+        assert config.blocks_for(chip, "fwd", 320, torch.float32) == config.TABLE[chip][("fwd", True, 512)]
+        for kernel in config.KERNELS:
+            assert config.blocks_for(chip, kernel, 512, torch.bfloat16).num_warps == 8
+    monkeypatch.setattr(config, "chip_for", lambda device: "sm86")
+    q = torch.randn(4, 2, 300, device=DEVICE)
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(NotImplementedError, match="'triton' supports head dims up to 256, got 512"):
-        sink_attn_varlen_func(q, q, q, cu, cu, 4, 4, backend="triton")
+    with buffers.poisoned(), pytest.raises(NotImplementedError, match="float16 / bfloat16, or backend='cpu'"):
+        triton_backend.forward(q, q, q, Batch(cu, cu, 4, 4), masks.Window(-1, 0), 0.1, True)
 
 
 @pytest.mark.determinism

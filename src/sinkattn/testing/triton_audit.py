@@ -5,8 +5,9 @@ for each GPU generation it has a table for, and read ptxas' report. No GPU is ne
                                             [--markdown] [--tile BM,BN,WARPS,STAGES]
 
 A configuration is (chip, kernel, dtype, head dim, variant): chips ``config.CHIPS``; kernels
-``fwd``, ``dkdv``, ``dq``, ``delta``; fp16, bf16, fp32; head dims 16, 32, 64, 128, 256 (every
-padded width the kernels take) and 72 (padded to 128: the same kernel as 128); variants the
+``fwd``, ``dkdv``, ``dq``, ``delta``; fp16, bf16, fp32; head dims 16, 32, 64, 128, 256, 512 (every
+padded width the kernels take), 72 and 320 (padded to 128 and 512: the same kernels as 128 and 512),
+where the chip's table has a tile (``sm86`` has no fp32 dK/dV or dQ at 512); variants the
 constexpr flags a call can set (compensated products for fp16 / bf16, the dQ kernel's exact Delta
 with or without an lse gradient, the Delta kernel's lse gradient). Each is built by the launchers'
 own plan (``backends.triton.launch``) from example tensors (8 query heads, 2 KV heads, 256 tokens),
@@ -48,7 +49,7 @@ __all__ = ["Config", "configs", "entry_key", "compile_config", "run", "problems"
            "EXAMPLE_HEAD_DIMS", "DTYPES"]
 
 DTYPES = ("float16", "bfloat16", "float32")
-EXAMPLE_HEAD_DIMS = (16, 32, 64, 128, 256, 72)
+EXAMPLE_HEAD_DIMS = (16, 32, 64, 128, 256, 512, 72, 320)
 EXAMPLE_SHAPE = dict(T=256, HQ=8, HKV=2, N=2)
 
 
@@ -85,7 +86,8 @@ def _variants(kernel: str, low_precision: bool) -> list[dict]:
 
 
 def configs(chips=None) -> list[Config]:
-    """Every configuration the backend can choose, on ``chips`` (default: all of ``config.CHIPS``)."""
+    """Every configuration the backend can choose, on ``chips`` (default: all of ``config.CHIPS``):
+    those its table has a tile for (``config.blocks_for`` refuses the others)."""
     from ..backends.triton import config
 
     out = []
@@ -93,6 +95,10 @@ def configs(chips=None) -> list[Config]:
         for dtype in DTYPES:
             for D in EXAMPLE_HEAD_DIMS:
                 for kernel in (*config.KERNELS, "delta"):
+                    try:
+                        config.blocks_for(chip, kernel, D, getattr(torch, dtype))
+                    except NotImplementedError:
+                        continue
                     for flags in _variants(kernel, dtype != "float32"):
                         out.append(Config(chip, kernel, dtype, D, **flags))
     return out

@@ -18,8 +18,9 @@ Scores are not checked against fp32's range (``scores.check_fp32_range``, which 
 applies): the check is a read back to the host, a synchronisation on every call. A score beyond fp32
 overflows in the kernels and its row comes back non-finite (docs/contract.md §2 says how).
 
-Head dims 1-256 run (tensors padded with zeros to the next power of two, at least 16, outside the
-kernels: the kernels need no column mask). fp32 inputs use IEEE fp32
+Head dims 1-512 run, ``D`` and v's ``Dv`` (tensors padded with zeros to the next power of two, at
+least 16, of ``max(D, Dv)`` outside the kernels: the kernels need no column mask). fp32 with a backward
+above 256 needs more shared memory than the ``sm86`` GPUs have (``config``): refused there. fp32 inputs use IEEE fp32
 dot products; fp16 / bf16 inputs split each fp32 ``P`` / ``dS`` tile that meets them in a product
 into ``hi`` and ``lo`` parts (``COMPENSATED``, docs/contract.md §3 "Compensated products").
 """
@@ -70,7 +71,7 @@ CAPABILITIES = Capabilities(
     name="triton",
     device_types=frozenset({"cuda", "cpu"} if interpreting() else {"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    max_head_dim=256,
+    max_head_dim=512,
     device_hint="set TRITON_INTERPRET=1 before importing sinkattn to run its kernels on CPU tensors (slowly)",
     base2=True,
 )
@@ -123,6 +124,10 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
                                                          width=max(q.shape[2], Dv))
     Tq, HQ, BLOCK_D = q.shape
     N = cu_seqlens_q.numel() - 1
+    chip = config.chip_for(q.device)
+    if needs_grad:              # a backward the GPU has no tile for is refused before the forward runs
+        for kernel in ("dq", "dkdv"):
+            config.blocks_for(chip, kernel, BLOCK_D, q.dtype)
     out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
     lse = buffers.new((HQ, Tq), torch.float32, q.device)
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
@@ -130,7 +135,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     if N > 0 and Tq > 0:
         max_q = _max_lens(q, k, batch)[0]
         launch.forward(q, k, v, _NO_SINKS(HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
-                       softmax_scale, *window, max_q, config.chip_for(q.device), _compensated(q.dtype),
+                       softmax_scale, *window, max_q, chip, _compensated(q.dtype),
                        _upcast(q.dtype))()
     log2_l = torch.where(m2 == float("inf"), float("inf"), log2_l)    # a +inf score: lse = +inf (l is NaN)
     return _unpadded(out, Dv), sink.Stats(m2, log2_l)

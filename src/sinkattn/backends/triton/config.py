@@ -48,11 +48,14 @@ CHIPS = {
 """The generations with a table. GPUs of another capability take ``sm86``'s, the smallest budget."""
 
 KERNELS = ("fwd", "dkdv", "dq")
-HEAD_DIM_CLASSES = (64, 128, 256)
+HEAD_DIM_CLASSES = (64, 128, 256, 512)
 """Table rows by padded head dim ``BLOCK_D``: 16, 32 and 64 take the 64 row."""
 
 DELTA = Blocks(BM=64, BN=0, num_warps=4, num_stages=1)
-"""The Delta kernel (``BM`` tokens per program, no key axis), on every GPU."""
+"""The Delta kernel (``BM`` tokens per program, no key axis), on every GPU, up to ``BLOCK_D = 256``."""
+DELTA_512 = Blocks(BM=32, BN=0, num_warps=8, num_stages=1)
+"""The Delta kernel at ``BLOCK_D = 512``: half the tokens and twice the warps, so each thread holds a
+quarter of the ``O`` and ``dO`` elements it holds at 256 (fp32 ``O`` took 244-255 registers there)."""
 
 INTERPRETER = Blocks(16, 16, 1, 1)
 """Every kernel under ``TRITON_INTERPRET=1`` (CPU tensors): small tiles keep numpy fast."""
@@ -60,38 +63,46 @@ INTERPRETER_DELTA = Blocks(16, 0, 1, 1)
 
 
 def _rows(fp32: dict, **low_precision) -> dict:
-    """``{(kernel, is_fp32, head_dim_class): Blocks}`` from ``kernel=(tile at 64, 128, 256)`` for
+    """``{(kernel, is_fp32, head_dim_class): Blocks}`` from ``kernel=(tile at 64, 128, 256, 512)`` for
     fp16 / bf16 and the same for fp32; a tile is ``(BM, BN, num_warps, num_stages)``."""
     return {(kernel, is_fp32, hd): Blocks(*tile)
             for is_fp32, table in ((False, low_precision), (True, fp32))
             for kernel, tiles in table.items()
-            for hd, tile in zip(HEAD_DIM_CLASSES, tiles)}
+            for hd, tile in zip(HEAD_DIM_CLASSES, tiles, strict=True)}
 
 
-_FP32 = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 1), (16, 16, 4, 1)),
-             dkdv=((32, 32, 8, 1), (32, 16, 8, 1), (16, 16, 8, 1)),
-             dq=((32, 32, 8, 1), (16, 16, 8, 1), (16, 16, 8, 1)))
+_FP32 = dict(fwd=((32, 32, 8, 1), (32, 16, 8, 1), (16, 16, 4, 1), (16, 16, 16, 1)),
+             dkdv=((32, 32, 8, 1), (32, 16, 8, 1), (16, 16, 8, 1), (16, 16, 8, 1)),
+             dq=((32, 32, 8, 1), (16, 16, 8, 1), (16, 16, 8, 1), (16, 16, 16, 1)))
 """fp32 multiplies on the FMA units, whose operands hold the whole reduction axis per thread:
-small tiles and 8 warps keep the spills small (docs/backends.md lists them)."""
+small tiles and 8 warps keep the spills small (docs/backends.md lists them); at 512, the smallest
+tiles, with 16 warps where 8 spilled (the forward) or spilled more (the dQ kernel)."""
 
 TABLE = {
-    "sm80": _rows(_FP32, fwd=((128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1)),
-                  dkdv=((32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1)),
-                  dq=((128, 32, 8, 2), (64, 16, 4, 1), (32, 16, 4, 1))),
-    "sm86": _rows(_FP32, fwd=((128, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1)),
-                  dkdv=((32, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 1)),
-                  dq=((64, 32, 4, 1), (64, 16, 4, 1), (32, 16, 4, 1))),
-    "sm90": _rows(_FP32, fwd=((128, 64, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1)),
-                  dkdv=((32, 128, 8, 1), (32, 128, 8, 1), (16, 32, 4, 1)),
-                  dq=((128, 64, 8, 2), (128, 64, 8, 2), (16, 64, 4, 1))),
+    "sm80": _rows(_FP32, fwd=((128, 32, 8, 2), (64, 32, 4, 2), (32, 32, 4, 1), (16, 32, 8, 1)),
+                  dkdv=((32, 32, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 8, 1)),
+                  dq=((128, 32, 8, 2), (64, 16, 4, 1), (32, 16, 4, 1), (16, 32, 8, 1))),
+    "sm86": _rows(_FP32, fwd=((128, 32, 8, 2), (128, 16, 8, 2), (32, 32, 4, 1), (16, 32, 8, 1)),
+                  dkdv=((32, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 1), (16, 32, 8, 1)),
+                  dq=((64, 32, 4, 1), (64, 16, 4, 1), (32, 16, 4, 1), (16, 32, 8, 1))),
+    "sm90": _rows(_FP32, fwd=((128, 64, 8, 2), (128, 64, 8, 2), (32, 32, 4, 1), (32, 32, 8, 1)),
+                  dkdv=((32, 128, 8, 1), (32, 128, 8, 1), (16, 32, 4, 1), (16, 32, 8, 1)),
+                  dq=((128, 64, 8, 2), (128, 64, 8, 2), (16, 64, 4, 1), (16, 64, 8, 1))),
 }
 """Why these: on sm80 / sm86 (``mma.sync``) a product holds its whole B operand in each warp's
 registers, so key blocks stay small at large head dims; on sm90 / sm100 (``wgmma`` / ``tcgen05``)
 B stays in shared memory and the forward and dQ take 128-row tiles. The dK/dV kernel keeps two
 ``[BN, D]`` fp32 accumulators in registers. Each fp16 / bf16 entry is a large tile (``BM * BN``)
 that the audit found spill-free in every variant at every head dim of its row, with some margin
-below 255 registers where a larger tile sat at the limit."""
+below 255 registers where a larger tile sat at the limit. At 512 every kernel takes 8 warps: with
+4, the ``[BM, 512]`` and ``[BN, 512]`` fp32 accumulators alone take 64-128 registers a thread and
+the tiles that fit spill; 16-row tiles (and 32 where they fit) keep below 255."""
 TABLE["sm100"] = TABLE["sm90"] | {("dq", False, 64): Blocks(128, 64, 8, 1), ("dq", False, 256): Blocks(128, 32, 8, 2)}
+for _kernel in ("dkdv", "dq"):
+    del TABLE["sm86"][(_kernel, True, 512)]
+"""No fp32 backward at 512 on ``sm86``: the FMA products stage their fp32 operand tiles in shared
+memory, 128 KiB at ``BLOCK_D = 512`` for the smallest tile (16 x 16), whatever the warps, and these
+GPUs give a program 99 KiB. ``blocks_for`` says so (``NotImplementedError``); the forward fits."""
 
 
 def block_d(head_dim: int) -> int:
@@ -121,10 +132,20 @@ def chip_for(device: torch.device) -> str | None:
 def blocks_for(chip: str | None, kernel: str, head_dim: int, dtype: torch.dtype) -> Blocks:
     """The tile of ``kernel`` (``fwd``, ``dkdv``, ``dq`` or ``delta``) on ``chip`` (None: the interpreter)."""
     if kernel == "delta":
-        return DELTA if chip is not None else INTERPRETER_DELTA
+        if chip is None:
+            return INTERPRETER_DELTA
+        return DELTA_512 if head_dim_class(head_dim) == 512 else DELTA
     if chip is None:
         return INTERPRETER
-    return TABLE[chip][(kernel, dtype == torch.float32, head_dim_class(head_dim))]
+    hd = head_dim_class(head_dim)
+    tile = TABLE[chip].get((kernel, dtype == torch.float32, hd))
+    if tile is None:
+        raise NotImplementedError(
+            f"backend 'triton' has no {kernel} tile for {str(dtype).removeprefix('torch.')} at head dims "
+            f"{hd // 2 + 1}-{hd} on {chip} GPUs ({CHIPS[chip].examples}): its operands need more shared memory than "
+            f"{CHIPS[chip].shared_bytes // 1024} KiB; use float16 / bfloat16, or backend='cpu' (CPU tensors) "
+            f"or 'reference'")
+    return tile
 
 
 def pack_heads(G: int, BM: int) -> int:
