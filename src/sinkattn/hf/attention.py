@@ -79,12 +79,18 @@ def _refuse_sparse(module, key, kwargs) -> None:
 
 
 def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor:
-    """The real-key mask ``bool [B, Sk]`` of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to
+    """The real-key mask ``bool [B, n]`` of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to
     ``indexed_attention`` layers, ``sinkattn.hf.masks.INDEXED``), after checking that the mask is
-    exactly this layer's pattern (causal / window, bottom-right) over those real keys."""
+    exactly this layer's pattern (causal / window, bottom-right) over those real keys. With a cache
+    (``Sq < Sk``) the keys end at the last column any query sees (``n``; a static cache's slots after
+    the queries are not written yet, and no query sees them); without one, ``n = Sk``."""
     if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
         raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
                          f"for {Sq} queries and {Sk} keys; {_EAGER}")
+    if Sq < Sk:
+        seen = torch.nonzero(mask.any(2).any(1).any(0))
+        Sk = max(int(seen.max()) + 1 if seen.numel() else 0, Sq)                 # one host read-back
+        mask = mask[..., :Sk]
     left, right = Window.of(options["causal"], options["window_size"])
     vis = masks.visible(torch.arange(Sq, device=mask.device), torch.arange(Sk, device=mask.device), Sq, Sk,
                         left, right)                                                        # [Sq, Sk]
