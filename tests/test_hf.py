@@ -199,8 +199,8 @@ class OpCounter(TorchDispatchMode):
         self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "sinkattn":                     # (op name, backend: the op's one str argument)
-            self.calls.append((func.name(), next(a for a in args if isinstance(a, str))))
+        if func.namespace == "sinkattn":       # (op name, backend: the op's one str argument; None: a mask op)
+            self.calls.append((func.name(), next((a for a in args if isinstance(a, str)), None)))
         return func(*args, **(kwargs or {}))
 
 

@@ -228,16 +228,32 @@ def test_non_causal_layer_matches_eager_directly(window):
     assert torch.allclose(got, expected, atol=2e-6, rtol=0)
 
 
-def test_a_4d_mask_other_than_the_layer_pattern_is_refused():
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_4d_mask_other_than_the_layer_pattern_is_refused(traced):
     """A 4-D boolean mask (what indexed-attention layers get) is read back as real keys only when it is
-    exactly the layer's pattern over them."""
+    exactly the layer's pattern over them; with a cache, over the columns up to the last one a query sees
+    (a static cache's later slots are unwritten). Traced with ``fullgraph=True``: no graph break, the
+    check runs in the compiled program."""
     eager, ours = models("hy_v4")
     module = ours.model.layers[0].self_attn
+    call = sinkattn.hf.attention_forward
+    if traced:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="eager")
     q, k, v = torch.randn(1, 4, 6, 24), torch.randn(1, 4, 6, 24), torch.randn(1, 4, 6, 16)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
-    out, _ = sinkattn.hf.attention_forward(module, q, k, v, causal, scaling=0.3, s_aux=module.sinks)
+    out, _ = call(module, q, k, v, causal, scaling=0.3, s_aux=module.sinks)
     assert out.shape == (1, 6, 4, 16)
+    static = torch.zeros(1, 1, 2, 9, dtype=torch.bool)             # 2 queries at 4, 5 of a 9-slot cache
+    static[..., :6] = causal[..., 4:, :]
+    k9 = torch.cat([k, torch.full((1, 4, 3, 24), float("nan"))], 2)  # unwritten slots: never read
+    v9 = torch.cat([v, torch.full((1, 4, 3, 16), float("nan"))], 2)
+    got, _ = call(module, q[:, :, 4:], k9, v9, static, scaling=0.3, s_aux=module.sinks)
+    assert torch.allclose(got, out[:, 4:], atol=1e-6, rtol=0)
     other = causal.clone()
     other[0, 0, 4, 1] = False
     with pytest.raises(ValueError, match="not its causal / sliding-window pattern"):
-        sinkattn.hf.attention_forward(module, q, k, v, other, scaling=0.3, s_aux=module.sinks)
+        call(module, q, k, v, other, scaling=0.3, s_aux=module.sinks)
+    static[0, 0, 0, 5] = True                                      # a query sees a key after it
+    with pytest.raises(ValueError, match="not its causal / sliding-window pattern"):
+        call(module, q[:, :, 4:], k9, v9, static, scaling=0.3, s_aux=module.sinks)
