@@ -2,7 +2,7 @@
 launched as a user launches it: ``torchrun --nproc-per-node P`` (``python -m torch.distributed.run``), P = 2 and 3,
 gloo on CPU, fp32. Every rank's loss, logits and every parameter gradient (sinks included), gathered and summed
 over the group, against one process running the unpadded packed batch through ``attn_implementation="sinkattn"``.
-The other causal sink families (``sinkattn.testing.families``) at P = 2, ring and Ulysses, in one more launch.
+The other causal sink families (``sinkattn.testing.families``) at P = 2, ring and Ulysses, in the P = 2 launch.
 """
 
 import os
@@ -23,9 +23,22 @@ NAME = sinkattn.hf.register()
 RTOL = 1e-5
 
 
+CP_FAMILIES = ("mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint")    # causal / sliding decoders
+
+
 @pytest.fixture(scope="module", params=(2, 3), ids=lambda P: f"P{P}")
 def launched(request, tmp_path_factory):
-    return request.param, hf_cp.launch(request.param, tmp_path_factory.mktemp(f"hf-cp{request.param}"))
+    """One torchrun launch per P; at P = 2 it also runs each of ``CP_FAMILIES`` and HY-V4 (``FAMILY_RUNS``)."""
+    P = request.param
+    return P, hf_cp.launch(P, tmp_path_factory.mktemp(f"hf-cp{P}"), args=(*CP_FAMILIES, "hy_v4") if P == 2 else ())
+
+
+@pytest.fixture(scope="module")
+def families_launched(launched):
+    P, results = launched
+    if P != 2:
+        pytest.skip("the other families run in the P = 2 launch only")
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +127,6 @@ def test_bad_settings_are_refused():
         sinkattn.hf.register("sinkattn_cp_bad", context_parallel="ring")
     with pytest.raises(RuntimeError, match="init_process_group"):
         sinkattn.hf.shard_batch(hf_cp.batch())
-
-
-CP_FAMILIES = ("mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint")    # causal / sliding decoders
-
-
-@pytest.fixture(scope="module")
-def families_launched(tmp_path_factory):
-    """One torchrun launch, P = 2: each family of ``CP_FAMILIES`` and HY-V4 through ``hf_cp.FAMILY_RUNS``."""
-    return hf_cp.launch(2, tmp_path_factory.mktemp("hf-cp-families"), args=(*CP_FAMILIES, "hy_v4"))
 
 
 @pytest.mark.parametrize("run", hf_cp.FAMILY_RUNS, ids=lambda r: "-".join(r))

@@ -195,16 +195,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def main(folder: str, families: list[str]) -> None:
-    """gpt-oss's ``RUNS``, refusals and head-group call; or, given ``families``, each family's ``FAMILY_RUNS``
+    """gpt-oss's ``RUNS``, refusals and head-group call; then, given ``families``, each family's ``FAMILY_RUNS``
     (each run's result, or the error it raised on every rank, under ``results["families"]``)."""
     import torch.distributed as dist
 
+    steps = [("runs", lambda: {run: _run(*run) for run in RUNS}), ("refusals", _refusals), ("head_group", _head_group)]
     if families:
-        steps = [("families", lambda: {(f, *run): _raised_or(_run, *run, f) for f in families
-                                       for run in FAMILY_RUNS})]
-    else:
-        steps = [("runs", lambda: {run: _run(*run) for run in RUNS}), ("refusals", _refusals),
-                 ("head_group", _head_group)]
+        steps.append(("families", lambda: {(f, *run): _raised_or(_run, *run, f) for f in families
+                                           for run in FAMILY_RUNS}))
     serve(folder, lambda: dist.init_process_group("gloo"), steps)
 
 
