@@ -10,8 +10,8 @@ that is larger: ``float64_grads``), the sinks' gradients included. Routed MoE la
 every expert (top-k = all), so rounding cannot flip a routing decision between the two runs. What
 sinkattn cannot express (DeepSeek-V4's compressed layers, HY-V4's sparse top-k below the length)
 raises a ValueError naming the fix. Every decoder family also generates greedily with dynamic and
-static caches as eager does, and (``hf_compile_check.py families``, in a fresh process) a training step
-through ``torch.compile`` with inductor equals eager mode with no graph break in sinkattn's code.
+static caches as eager does; ``torch.compile`` of a training step: ``test_hf.py``'s inductor run
+(``hf_compile_check.py``, MiMo-V2-Flash and the privacy filter), the other families by hand.
 """
 
 import copy
