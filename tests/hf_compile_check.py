@@ -4,7 +4,10 @@ model run without compile and checked for graph breaks:
 
     inductor   the default backend: padding and packing in one batch (the fixed-shape layout's
                sort, search and scatter lowered by inductor), forward and backward (logits and
-               every parameter gradient)
+               every parameter gradient); then ``families`` of the sink families named after it
+    families   ``families NAME[:dense|:right-padded]...``: a training step of each family's tiny model
+               (``sinkattn.testing.families``) through inductor against eager mode, and no graph
+               break in sinkattn's code
     loop       15 calls mixing the layouts (dense, padded, packed by cu_seq_lens_* / max_length_*,
                packed by position_ids, padding and packing in one batch) and their lengths, under
                dynamo with the eager backend (graph breaks and recompiles are dynamo's; inductor
@@ -131,8 +134,51 @@ def decode_static(compiled, eager, ids, mask, new_tokens, label):
     print(line, flush=True)
 
 
+def families(names):
+    """For each family of ``test_hf_models`` (its tiny model, in training mode): a training step (forward,
+    ``sum(logits * w)`` on the real tokens, backward) through ``torch.compile`` with inductor on a dense
+    and a right-padded batch, against the same model in eager mode (``test_hf_models.assert_close``'s
+    tolerances); and dynamo's graph breaks in the model call (``torch._dynamo.explain``): those in
+    sinkattn's code must be none, those in the model's own code are counted. ``family:dense`` or
+    ``family:right-padded`` runs that batch only."""
+    import time
+
+    import test_hf_models as hm
+
+    root = os.path.dirname(sinkattn.__file__) + os.sep
+    for spec in names:
+        family, _, only = spec.partition(":")
+        eager, ours = hm.models(family)
+        eager.train(), ours.train()
+        ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(3))
+        padded = torch.ones(2, 24, dtype=torch.long)
+        padded[1, 19:] = 0
+        torch._dynamo.reset()
+        compiled = torch.compile(ours)
+        for label, mask in (("dense", None), ("right-padded", padded)):
+            if only and only != label:
+                continue
+            start = time.perf_counter()
+            logits, grads = hm.run(ours, ids, mask, call=compiled)
+            seconds = time.perf_counter() - start
+            grads = {n.removeprefix("_orig_mod."): g for n, g in grads.items()}
+            logits_err, grad_err = hm.assert_close(logits, grads, *hm.run(ours, ids, mask), eager, ids, mask)
+            kwargs = dict(input_ids=ids) if mask is None else dict(input_ids=ids, attention_mask=mask)
+            explained = torch._dynamo.explain(ours)(**kwargs)
+            ours_breaks = [r.reason for r in explained.break_reasons
+                           if any(f.filename.startswith(root) for f in r.user_stack or ())]
+            print(f"{family} {label}: compile+step {seconds:.0f} s, logits rel err {logits_err:.1e}, worst parameter "
+                  f"gradient rel err {grad_err:.1e}, dynamo breaks: {explained.graph_break_count} in all, "
+                  f"{len(ours_breaks)} in sinkattn's code", flush=True)
+            assert not ours_breaks, ours_breaks
+
+
 def main():
     mode = sys.argv[1]
+    if mode == "families":
+        families(sys.argv[2:])
+        print("ok", flush=True)
+        return
     torch.manual_seed(0)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     name = sinkattn.hf.register()
@@ -150,6 +196,7 @@ def main():
     elif mode == "inductor":
         compiled = torch.compile(model)
         check(compiled, model, "padded+packed", padded_and_packed(18, 6, 10), grads=True)
+        families(sys.argv[2:])          # in this process: inductor's first-compile cost is paid once
     else:
         compiled = torch.compile(model, backend="eager")
         with torch.no_grad():

@@ -1,14 +1,7 @@
 """sinkattn.hf against Hugging Face's own eager attention for every model family in transformers with
-attention sinks (gpt-oss has its own file, test_hf.py), each from a tiny random config (fp32, two
-layers, hidden 64, seeded; no downloads):
-
-    MiMo-V2-Flash          D=24, Dv=16 (the real 192 / 128 scaled down), sinks on the sliding layer only
-    DeepSeek-V4            D=512, one KV head passed as both k and v, sliding-window layers
-    HY-V4                  MLA layers: D=24 (nope 16 + rope 8), Dv=16; its indexer reads the 4-D mask;
-                           index_topk >= the sequence length, so every key is selected
-    Granite-SWA, GraniteMoE-SWA   sinks as post-attention LSE scaling in eager, attention_multiplier scale
-    Flint                  fp32 sinks, q/k norms
-    OpenAI privacy filter  bidirectional (not causal) sliding window, |i - j| <= W, a token classifier
+attention sinks (gpt-oss has its own file, test_hf.py), each from a tiny random config
+(``sinkattn.testing.families``: MiMo-V2-Flash with Dv != D, DeepSeek-V4 with D=512, HY-V4's MLA and
+indexer, Granite-SWA, GraniteMoE-SWA, Flint, the bidirectional OpenAI privacy filter).
 
 Each model runs twice with the same weights (eager, sinkattn) on a dense batch and on a left- or
 right-padded one; logits (on real tokens) within 2e-5 of the logit scale, every parameter gradient
@@ -16,7 +9,9 @@ within 1e-4 of its own scale (or 3x eager fp32's own error against the model run
 that is larger: ``float64_grads``), the sinks' gradients included. Routed MoE layers route every token to
 every expert (top-k = all), so rounding cannot flip a routing decision between the two runs. What
 sinkattn cannot express (DeepSeek-V4's compressed layers, HY-V4's sparse top-k below the length)
-raises a ValueError naming the fix.
+raises a ValueError naming the fix. Every decoder family also generates greedily with dynamic and
+static caches as eager does; ``torch.compile`` of a training step: ``test_hf.py``'s inductor run
+(``hf_compile_check.py``, MiMo-V2-Flash and the privacy filter), the other families by hand.
 """
 
 import copy
@@ -30,86 +25,28 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers", minversion="5.4")
 
 import sinkattn.hf  # noqa: E402
+from sinkattn.testing import families  # noqa: E402
 from test_hf import OpCounter  # noqa: E402
 
 NAME = sinkattn.hf.register()
 LOGIT_RTOL, GRAD_RTOL = 2e-5, 1e-4
-SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
-             bos_token_id=1, eos_token_id=2)
-TWO = ["sliding_attention", "full_attention"]
-
-
-def _family(name):
-    """(model class, config, number of layers with sinks, output attribute) of a family's tiny model."""
-    T = transformers
-    if name == "mimo_v2_flash":
-        cfg = T.MiMoV2FlashConfig(**SMALL, intermediate_size=64, num_key_value_heads=1, head_dim=24, v_head_dim=16,
-                                  sliding_window=8, layer_types=TWO, mlp_layer_types=["dense", "sparse"],
-                                  moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=2)
-        return T.MiMoV2FlashForCausalLM, cfg, 1, "logits"
-    if name == "deepseek_v4":
-        cfg = T.DeepseekV4Config(**SMALL, moe_intermediate_size=32, num_key_value_heads=1, head_dim=512,
-                                 q_lora_rank=32, n_routed_experts=2, num_experts_per_tok=2, sliding_window=8,
-                                 o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=128, index_topk=8,
-                                 layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe", "moe"], hc_mult=2,
-                                 num_nextn_predict_layers=0)
-        return T.DeepseekV4ForCausalLM, cfg, 2, "logits"
-    if name == "hy_v4":
-        cfg = T.HYV4Config(**SMALL, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4,
-                           head_dim=24, n_routed_experts=2, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32,
-                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=64, index_head_dim=16,
-                           index_n_heads=2, hc_mult=2)
-        return T.HYV4ForCausalLM, cfg, 2, "logits"
-    if name == "granite_swa":
-        cfg = T.GraniteSWAConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, sliding_window=8,
-                                 layer_types=TWO, attention_multiplier=0.3, embedding_multiplier=2.0,
-                                 residual_multiplier=0.5, logits_scaling=2.0)
-        return T.GraniteSWAForCausalLM, cfg, 2, "logits"
-    if name == "granitemoe_swa":
-        cfg = T.GraniteMoeSWAConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, sliding_window=8,
-                                    layer_types=TWO, attention_multiplier=0.3, num_local_experts=2,
-                                    num_experts_per_tok=2)
-        return T.GraniteMoeSWAForCausalLM, cfg, 2, "logits"
-    if name == "flint":
-        cfg = T.FlintConfig(**SMALL, intermediate_size=64, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                            layer_types=TWO, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                            num_experts=2, num_experts_per_tok=2)
-        return T.FlintForCausalLM, cfg, 2, "logits"
-    if name == "openai_privacy_filter":
-        cfg = T.OpenAIPrivacyFilterConfig(**{**SMALL, "eos_token_id": 0}, intermediate_size=32, num_key_value_heads=2,
-                                          head_dim=16, sliding_window=5, num_local_experts=2, num_experts_per_tok=2,
-                                          num_labels=5)
-        return T.OpenAIPrivacyFilterForTokenClassification, cfg, 2, "logits"
-    raise AssertionError(name)
-
-
-FAMILIES = ["mimo_v2_flash", "deepseek_v4", "hy_v4", "granite_swa", "granitemoe_swa", "flint",
-            "openai_privacy_filter"]
+FAMILIES = families.FAMILIES
 
 
 def models(name, **changes):
-    """(eager model, sinkattn model, config) with identical weights; sinks drawn as ``2 * randn``."""
-    cls, cfg, sink_layers, _ = _family(name)
-    for key, value in changes.items():
-        setattr(cfg, key, value)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    eager = cls(cfg).float().eval()
-    with torch.no_grad():
-        sinks = [p for n, p in eager.named_parameters() if n.endswith("self_attn.sinks")]
-        assert len(sinks) == sink_layers
-        for p in sinks:
-            p.copy_(torch.randn_like(p) * 2)
+    """(eager model, sinkattn model) with identical weights (``sinkattn.testing.families.model``)."""
+    eager = families.model(name, **changes)
     ours = copy.deepcopy(eager)
     ours.set_attn_implementation(NAME)
     return eager, ours
 
 
-def run(model, ids, mask):
-    """Logits of the real tokens and every parameter gradient of ``sum(logits * w)``, w fixed."""
+def run(model, ids, mask, call=None):
+    """Logits of the real tokens and every parameter gradient of ``sum(logits * w)``, w fixed; the
+    forward through ``call`` (e.g. the compiled model) if given, else ``model``."""
     model.zero_grad(set_to_none=True)
     kwargs = dict(input_ids=ids) if mask is None else dict(input_ids=ids, attention_mask=mask)
-    logits = model(**kwargs).logits
+    logits = (model if call is None else call)(**kwargs).logits
     logits = logits.reshape(-1, logits.shape[-1]) if mask is None else logits[mask.bool()]
     w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
     (logits * w).sum().backward()
@@ -138,18 +75,47 @@ def test_logits_and_every_gradient_match_hf_eager(family, batch):
     layers = eager.config.num_hidden_layers
     names = [n for n, _ in counter.calls]
     assert names.count("sinkattn::forward") == layers and names.count("sinkattn::backward") == layers
-    assert rel(logits_o, logits_e) <= LOGIT_RTOL, f"logits rel err {rel(logits_o, logits_e):.2e}"
-    assert grads_o.keys() == grads_e.keys()
-    assert any(n.endswith("self_attn.sinks") for n in grads_e)
-    floor = None
-    for name, g in grads_e.items():
+    assert_close(logits_o, grads_o, logits_e, grads_e, eager, ids, mask)
+
+
+def assert_close(logits, grads, logits_want, grads_want, eager, ids, mask) -> tuple[float, float]:
+    """Logits within ``LOGIT_RTOL`` and every gradient within ``GRAD_RTOL`` of the wanted ones (or 3x the
+    ``eager`` model's own fp32 error against float64, where that is larger); the sinks' gradients
+    non-zero. Returns the logits' and the worst gradient's relative errors."""
+    assert rel(logits, logits_want) <= LOGIT_RTOL, f"logits rel err {rel(logits, logits_want):.2e}"
+    assert grads.keys() == grads_want.keys()
+    assert any(n.endswith("self_attn.sinks") for n in grads_want)
+    floor, worst = None, 0.0
+    for name, g in grads_want.items():
         if name.endswith("self_attn.sinks"):
             assert g.abs().max() > 0, f"{name} got no gradient"
-        err = rel(grads_o[name], g) if g.abs().max() > 0 else grads_o[name].abs().max().item()
+        err = rel(grads[name], g) if g.abs().max() > 0 else grads[name].abs().max().item()
         if err > GRAD_RTOL and floor is None:
             floor = float64_grads(eager, ids, mask)
         limit = GRAD_RTOL if err <= GRAD_RTOL else max(GRAD_RTOL, 3 * rel(g, floor[name]))
         assert err <= limit, f"grad {name} rel err {err:.2e}, limit {limit:.2e}"
+        worst = max(worst, err)
+    return rel(logits, logits_want), worst
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("family", families.DECODERS)     # the privacy filter is an encoder
+def test_greedy_generate_left_padded_past_the_window_matches_eager(family, cache):
+    """Greedy ``generate`` with a cache on a left-padded batch, prompt 10 and 8 new tokens (past the
+    sliding window of 8): the same tokens as eager attention and every step's logits within 2e-5."""
+    eager, ours = models(family)
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    ids[0, :3], mask[0, :3] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+              return_dict_in_generate=True, cache_implementation=cache)
+    want = eager.generate(ids, **kw)
+    with OpCounter() as counter:
+        got = ours.generate(ids, **kw)
+    assert [n for n, _ in counter.calls].count("sinkattn::forward") == 8 * eager.config.num_hidden_layers
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert rel(a, b) <= LOGIT_RTOL, f"step {step}: logits rel err {rel(a, b):.2e}"
 
 
 def float64_grads(model, ids, mask):
@@ -191,7 +157,7 @@ def test_non_causal_layer_matches_eager_directly(window):
     """The attention function alone on a bidirectional layer: keys |i - j| <= W - 1 for sliding_window=W
     (flash-attn's reading, which the privacy filter's layers are written for)."""
     from transformers.models.openai_privacy_filter import modeling_openai_privacy_filter as opf
-    _, cfg, _, _ = _family("openai_privacy_filter")
+    _, cfg, _, _ = families.spec("openai_privacy_filter")
     module = opf.OpenAIPrivacyFilterAttention(cfg).eval()
     with torch.no_grad():
         module.sinks.copy_(torch.randn(4) * 2)
@@ -205,16 +171,32 @@ def test_non_causal_layer_matches_eager_directly(window):
     assert torch.allclose(got, expected, atol=2e-6, rtol=0)
 
 
-def test_a_4d_mask_other_than_the_layer_pattern_is_refused():
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_4d_mask_other_than_the_layer_pattern_is_refused(traced):
     """A 4-D boolean mask (what indexed-attention layers get) is read back as real keys only when it is
-    exactly the layer's pattern over them."""
+    exactly the layer's pattern over them; with a cache, over the columns up to the last one a query sees
+    (a static cache's later slots are unwritten). Traced with ``fullgraph=True``: no graph break, the
+    check runs in the compiled program."""
     eager, ours = models("hy_v4")
     module = ours.model.layers[0].self_attn
+    call = sinkattn.hf.attention_forward
+    if traced:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="eager")
     q, k, v = torch.randn(1, 4, 6, 24), torch.randn(1, 4, 6, 24), torch.randn(1, 4, 6, 16)
     causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
-    out, _ = sinkattn.hf.attention_forward(module, q, k, v, causal, scaling=0.3, s_aux=module.sinks)
+    out, _ = call(module, q, k, v, causal, scaling=0.3, s_aux=module.sinks)
     assert out.shape == (1, 6, 4, 16)
+    static = torch.zeros(1, 1, 2, 9, dtype=torch.bool)             # 2 queries at 4, 5 of a 9-slot cache
+    static[..., :6] = causal[..., 4:, :]
+    k9 = torch.cat([k, torch.full((1, 4, 3, 24), float("nan"))], 2)  # unwritten slots: never read
+    v9 = torch.cat([v, torch.full((1, 4, 3, 16), float("nan"))], 2)
+    got, _ = call(module, q[:, :, 4:], k9, v9, static, scaling=0.3, s_aux=module.sinks)
+    assert torch.allclose(got, out[:, 4:], atol=1e-6, rtol=0)
     other = causal.clone()
     other[0, 0, 4, 1] = False
     with pytest.raises(ValueError, match="not its causal / sliding-window pattern"):
-        sinkattn.hf.attention_forward(module, q, k, v, other, scaling=0.3, s_aux=module.sinks)
+        call(module, q, k, v, other, scaling=0.3, s_aux=module.sinks)
+    static[0, 0, 0, 5] = True                                      # a query sees a key after it
+    with pytest.raises(ValueError, match="not its causal / sliding-window pattern"):
+        call(module, q[:, :, 4:], k9, v9, static, scaling=0.3, s_aux=module.sinks)

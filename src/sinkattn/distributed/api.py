@@ -110,9 +110,9 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, *, sinks=None, softma
     """Context-parallel ``sinkattn.sink_attn_varlen_func`` for self-attention on a packed batch.
 
     ``cu_seqlens`` (int32 ``[N+1]``) and ``max_seqlen`` describe the GLOBAL packing, the same on
-    every rank; ``q [T/P, HQ, D]``, ``k``/``v [T/P, HKV, D]`` are this rank's
+    every rank; ``q [T/P, HQ, D]``, ``k [T/P, HKV, D]``, ``v [T/P, HKV, Dv]`` are this rank's
     ``shard_varlen(x, cu_seqlens, group, layout)`` (every sequence's length divisible by P, or 2P
-    for ``zigzag``). Returns this rank's shard of the single-process result: ``out [T/P, HQ, D]``,
+    for ``zigzag``). Returns this rank's shard of the single-process result: ``out [T/P, HQ, Dv]``,
     and ``lse [HQ, T/P]`` with ``return_lse``. Gradients of q/k/v are this rank's shards of the
     full ones; the gradient of ``sinks`` is this rank's contribution (sum it over the group).
     ``method``: ``"ring"`` or ``"ulysses"``; see ``sinkattn.distributed``.
@@ -145,7 +145,7 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     """Context-parallel ``sinkattn.sink_attn_func``: ``q [B, S/P, HQ, D]``, ``k``/``v [B, S/P, HKV, D]``
     are this rank's ``shard(x, dim=1, group, layout)`` of self-attention over ``S`` tokens.
 
-    Returns this rank's shard of ``out [B, S/P, HQ, D]`` (and ``lse [B, HQ, S/P]``); options and
+    Returns this rank's shard of ``out [B, S/P, HQ, Dv]`` (and ``lse [B, HQ, S/P]``); options and
     gradients as in ``sink_attn_varlen_func``.
     """
     def lengths_fn(q, k, v, P):
@@ -162,6 +162,6 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     B, S_local, HQ, D = q.shape
     HKV = k.shape[2]
     out, lse = _attention(method, q.reshape(B * S_local, HQ, D), k.reshape(B * S_local, HKV, D),
-                          v.reshape(B * S_local, HKV, D), sinks, g, layout, ready)
-    out = out.view(B, S_local, HQ, D)
+                          v.reshape(B * S_local, HKV, v.shape[-1]), sinks, g, layout, ready)
+    out = out.view(B, S_local, HQ, v.shape[-1])
     return (out, lse.reshape(HQ, B, S_local).transpose(0, 1)) if return_lse else out

@@ -131,8 +131,8 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, group: Group, plans, call: Call):
         caps = backends.describe(call.backend)
         q = q.contiguous()
-        T, HQ, D = q.shape
-        o = torch.zeros((T, HQ, D), dtype=caps.out_dtype, device=q.device)
+        T, HQ = q.shape[:2]
+        o = torch.zeros((T, HQ, v.shape[-1]), dtype=caps.out_dtype, device=q.device)     # Dv: v's head dim
         stats = sink.Stats(torch.full((HQ, T), float("-inf"), dtype=caps.out_dtype, device=q.device),
                            torch.full((HQ, T), float("-inf"), dtype=caps.out_dtype, device=q.device))
         kv = [k.contiguous(), v.contiguous()]
@@ -172,7 +172,7 @@ class _Ring(torch.autograd.Function):
         kv, dkv, dkv_flight = [k.contiguous(), v.contiguous()], None, None
         for step in range(group.size):
             flight = Exchange(kv, group) if step < group.size - 1 else None
-            mine = [torch.zeros(k.shape, dtype=torch.float32, device=k.device) for _ in range(2)]
+            mine = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (k, v)]
             for tile in plans[step]:
                 dlse_b = _tile_stats(tile, dlse)[0] if dlse is not None else None
                 dq_b, dk_b, dv_b = ops.gradients(tile.q.packed(dout), dlse_b, *_tile_inputs(tile, q, *kv),
@@ -202,8 +202,8 @@ class _Ring(torch.autograd.Function):
 
 
 def attention(q, k, v, sinks, lengths: list[int], group: Group, layout: str, call: Call):
-    """This rank's ``(out [T, HQ, D], lse [HQ, T])`` of self-attention over the packing ``lengths``,
-    from its shards ``q [T, HQ, D]``, ``k``/``v [T, HKV, D]`` (``T = sum(lengths) / P``)."""
+    """This rank's ``(out [T, HQ, Dv], lse [HQ, T])`` of self-attention over the packing ``lengths``,
+    from its shards ``q [T, HQ, D]``, ``k [T, HKV, D]``, ``v [T, HKV, Dv]`` (``T = sum(lengths) / P``)."""
     plans = [plan(lengths, group.size, layout, group.rank, (group.rank - step) % group.size, call.window, q.device)
              for step in range(group.size)]
     return _Ring.apply(q, k, v, sinks, group, plans, call)

@@ -38,12 +38,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import masks
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from ..masks import Window
 from . import context, heads, layout
 from .context import ContextParallel
-from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN
+from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN, pattern_keys
 
 __all__ = ["attention_forward"]
 
@@ -79,20 +78,18 @@ def _refuse_sparse(module, key, kwargs) -> None:
 
 
 def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor:
-    """The real-key mask ``bool [B, Sk]`` of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to
-    ``indexed_attention`` layers, ``sinkattn.hf.masks.INDEXED``), after checking that the mask is
-    exactly this layer's pattern (causal / window, bottom-right) over those real keys."""
+    """The real keys of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to ``indexed_attention``
+    layers, ``sinkattn.hf.masks.INDEXED``), after checking that the mask is exactly this layer's
+    pattern (causal / window, bottom-right) over them (``sinkattn.hf.masks.pattern_keys``, an op that
+    checks when the program runs, traced or not): ``bool [B, Sk]`` without a cache; with one, the int8
+    slot mask ``[B, Sk]``, whose -1 columns (a static cache's slots after the queries, which no query
+    sees) ``_real_keys`` drops."""
     if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
         raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
                          f"for {Sq} queries and {Sk} keys; {_EAGER}")
     left, right = Window.of(options["causal"], options["window_size"])
-    vis = masks.visible(torch.arange(Sq, device=mask.device), torch.arange(Sk, device=mask.device), Sq, Sk,
-                        left, right)                                                        # [Sq, Sk]
-    real = mask[:, 0].any(1)                                                                # [B, Sk]
-    if not torch.equal(mask[:, 0], vis[None] & real[:, None, :]):
-        raise ValueError("sinkattn.hf: the layer's 4-D attention mask is not its causal / sliding-window pattern over "
-                         f"the real keys (a custom or block mask), which sinkattn cannot express; {_EAGER}")
-    return real
+    slots = pattern_keys(mask, left, right)
+    return slots if Sq < Sk else slots > 0
 
 
 def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:

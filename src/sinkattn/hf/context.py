@@ -92,6 +92,10 @@ def _positions_hold(position_ids: torch.Tensor, lengths: tuple, P: int, layout_n
 def _plan(q, k, mask, kwargs, g, cp: ContextParallel):
     """This rank's checks; returns ``(lengths, run)`` with ``run(q, k, v, **options)`` the call."""
     B, Sq = q.shape[0], q.shape[1]
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        raise ValueError("sinkattn.hf context parallelism cannot run an indexed-attention layer (HY-V4's DSA "
+                         "indexer, which reads the layer's 4-D mask and selects keys over the whole sequence, "
+                         "which no rank holds): run this model without context_parallel")
     if mask is not None:
         raise ValueError("sinkattn.hf context parallelism takes no padding mask: pad whole documents instead "
                          "(sinkattn.hf.shard_batch does, with labels -100 at the padding)")

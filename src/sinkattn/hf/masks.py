@@ -40,9 +40,11 @@ from typing import Optional
 
 import torch
 
+from .. import masks as core
 from . import layout
 
-__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "UNWRITTEN", "INDEXED"]
+__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "pattern_keys", "UNWRITTEN",
+           "INDEXED"]
 
 _FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
 PADDING_INSIDE_A_ROW = (
@@ -188,6 +190,38 @@ INDEXED = "indexed_attention"
 """The layer type of models whose sparse-attention indexer reads the layer's 4-D mask itself (HY-V4's
 DSA layers): ``key_mask`` hands them Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask, which the
 attention function checks and reads back as real keys (``sinkattn.hf.attention``)."""
+
+
+NOT_THE_PATTERN = (
+    "sinkattn.hf: the layer's 4-D attention mask is not its causal / sliding-window pattern over the real keys (a "
+    "custom or block mask), which sinkattn cannot express; or load the model with attn_implementation='eager'")
+
+
+@torch.library.custom_op("sinkattn::hf_pattern_keys", mutates_args=())
+def pattern_keys(mask: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    """The int8 slot mask ``[B, Sk]`` (1: real key, 0: padding, -1: a slot after the last column any
+    query sees, as ``static_cache_keys`` marks a static cache's unwritten slots) of Hugging Face's
+    boolean ``[B, 1, Sq, Sk]`` mask of an ``INDEXED`` layer; ``ValueError`` (``NOT_THE_PATTERN``) unless
+    the mask is exactly the window ``(left, right)`` (``sinkattn.masks.Window``), bottom-right aligned
+    on the columns up to the last one seen (with a cache, ``Sq < Sk``; all ``Sk`` without one), over
+    the real keys. An op, so that a traced model checks the mask when it runs, without a graph break."""
+    B, _, Sq, Sk = mask.shape
+    seen = mask[:, 0].any(1)                                                              # [B, Sk]
+    n = Sk
+    if Sq < Sk:
+        cols = torch.nonzero(seen.any(0))
+        n = max(int(cols.max()) + 1 if cols.numel() else 0, Sq)
+    vis = core.visible(torch.arange(Sq, device=mask.device), torch.arange(n, device=mask.device), Sq, n, left, right)
+    if not torch.equal(mask[:, 0, :, :n], vis[None] & seen[:, None, :n]) or seen[:, n:].any():
+        raise ValueError(NOT_THE_PATTERN)
+    slots = seen.to(torch.int8)
+    slots[:, n:] = UNWRITTEN
+    return slots
+
+
+@pattern_keys.register_fake
+def _(mask, left, right):
+    return mask.new_empty((mask.shape[0], mask.shape[-1]), dtype=torch.int8)
 
 
 def _indexed(config) -> bool:

@@ -26,6 +26,7 @@ __all__ = ["config", "DOCUMENTS", "RUNS", "batch", "real_rows", "padded_lengths_
 
 DOCUMENTS = (13, 5, 20, 9)
 RUNS = (("ring", "zigzag"), ("ulysses", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous"))
+FAMILY_RUNS = (("ring", "zigzag"), ("ulysses", "zigzag"))
 
 
 def config():
@@ -57,27 +58,46 @@ def real_rows(P: int, layout: str) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def _run(method: str, layout: str) -> dict:
+def model(attn_implementation: str, family: str | None = None):
+    """The seeded model every rank and the one-process reference build, in training mode: the gpt-oss of
+    ``config()``, or ``family``'s tiny model (``sinkattn.testing.families``)."""
+    from . import families, gpt_oss
+
+    if family is None:
+        return gpt_oss.model(config(), attn_implementation=attn_implementation).train()
+    return families.model(family, attn_implementation=attn_implementation).train()
+
+
+def _run(method: str, layout: str, family: str | None = None) -> dict:
     import torch.distributed as dist
 
     import sinkattn.distributed as cp
     import sinkattn.hf
-    from . import gpt_oss
 
     name = sinkattn.hf.register(f"sinkattn_cp_{method}_{layout}",
                                 context_parallel=sinkattn.hf.ContextParallel(None, method, layout))
-    model = gpt_oss.model(config(), attn_implementation=name).train()
+    model_ = model(name, family)
     local = sinkattn.hf.shard_batch(batch(), layout=layout)
-    out = model(**local)
+    out = model_(**local)
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
     grads = {}
-    for n, p in model.named_parameters():
+    for n, p in model_.named_parameters():
+        if p.grad is None:
+            continue
         grads[n] = p.grad.clone()
         dist.all_reduce(grads[n])
     logits = cp.unshard_varlen(out.logits[0].detach().contiguous(), local["cu_seq_lens_q"], layout=layout)
     return dict(loss=loss, logits=logits, grads=grads, local_tokens=local["input_ids"].shape[1])
+
+
+def _raised_or(fn, *args):
+    """``fn(*args)``, or ``(type name, message)`` of what it raised."""
+    try:
+        return fn(*args)
+    except Exception as exc:      # noqa: BLE001 - recorded for the test
+        return type(exc).__name__, str(exc)
 
 
 def _raised(fn) -> tuple[str, str] | None:
@@ -153,11 +173,12 @@ def serve(folder: str, init, steps) -> None:
     dist.destroy_process_group()
 
 
-def launch(P: int, folder, module: str = "sinkattn.testing.hf_cp", timeout: float = 600.0) -> list[dict]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node P -m module folder`` (what ``torchrun``
-    runs); every rank's results. RuntimeError with the output's tail if it fails or a rank reports a failure."""
+def launch(P: int, folder, module: str = "sinkattn.testing.hf_cp", timeout: float = 600.0, args=()) -> list[dict]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node P -m module folder *args`` (what
+    ``torchrun`` runs); every rank's results. RuntimeError with the output's tail if it fails or a rank
+    reports a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(P),
-               "-m", module, str(folder)]
+               "-m", module, str(folder), *args]
     run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {run.returncode}:\n{run.stdout[-2000:]}{run.stderr[-4000:]}")
@@ -173,12 +194,17 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
 
 
-def main(folder: str) -> None:
+def main(folder: str, families: list[str]) -> None:
+    """gpt-oss's ``RUNS``, refusals and head-group call; then, given ``families``, each family's ``FAMILY_RUNS``
+    (each run's result, or the error it raised on every rank, under ``results["families"]``)."""
     import torch.distributed as dist
 
-    serve(folder, lambda: dist.init_process_group("gloo"),
-          [("runs", lambda: {run: _run(*run) for run in RUNS}), ("refusals", _refusals), ("head_group", _head_group)])
+    steps = [("runs", lambda: {run: _run(*run) for run in RUNS}), ("refusals", _refusals), ("head_group", _head_group)]
+    if families:
+        steps.append(("families", lambda: {(f, *run): _raised_or(_run, *run, f) for f in families
+                                           for run in FAMILY_RUNS}))
+    serve(folder, lambda: dist.init_process_group("gloo"), steps)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
