@@ -104,6 +104,7 @@ def test_cpu_benchmark_quick(tmp_path):
     """Under an AVX2 ceiling (a rerun in a child process): the figures come from the child, held to it."""
     stdout, report = _quick("cpu", tmp_path, "--threads", "1", "--isa", "avx2")
     assert report["header"]["threads"] == 1 and report["header"]["dispatch"] == "avx2"
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in report["header"]["ceiling"]
     rows = report["rows"]
     assert [r["section"] for r in rows] == ["speed"] * 2 + ["memory"] * 3 + ["window"] * 2 + ["small"] * 2
     for r in (r for r in rows if r["section"] == "speed"):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .. import __version__
 from ..interface import sink_attn_func, sink_attn_varlen_func
-from . import eager, flops
+from . import eager, flops, isa
 
 __all__ = ["Problem", "Row", "Spread", "CONFIGS", "PROVIDERS", "MODES", "MODE_NAMES", "NOISE_LIMIT", "run", "header",
            "time_repeats", "time_interleaved", "noise_warning", "common_label", "sinkattn_step", "sinkattn_provider",
@@ -571,7 +571,7 @@ def write_json(path, record) -> None:
 
 def header(device="cpu") -> dict:
     info = dict(machine=_cpu_model(), isa=_cpu_isa(), dispatch=torch.backends.cpu.get_cpu_capability().lower(),
-                cores=os.cpu_count(), threads=torch.get_num_threads(),
+                ceiling=isa.ceiling(), cores=os.cpu_count(), threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
                 commit=_commit())
     try:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["LEVELS", "environment", "capability"]
+__all__ = ["LEVELS", "environment", "capability", "ceiling"]
 
 LEVELS = {
     "default": dict(ATEN_CPU_CAPABILITY="default", MKL_ENABLE_INSTRUCTIONS="SSE4_2", ONEDNN_MAX_CPU_ISA="SSE41"),
@@ -36,3 +36,9 @@ def capability() -> str:
     """The instruction set PyTorch's CPU kernels run at in this process, lower case (``avx512``, ``avx2``,
     ``default``; a ceiling above the CPU's own is not taken)."""
     return torch.backends.cpu.get_cpu_capability().lower()
+
+
+def ceiling() -> str | None:
+    """The ceilings set in this process's environment, e.g. ``ATEN_CPU_CAPABILITY=avx2 ...``; None: none."""
+    names = dict.fromkeys(name for level in LEVELS.values() for name in level)
+    return " ".join(f"{name}={os.environ[name]}" for name in names if name in os.environ) or None
