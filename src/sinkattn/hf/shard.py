@@ -13,6 +13,14 @@ tensor (transformers computes a loss only when ``labels`` is given and then uses
 ``shift_labels``), and ``num_items_in_batch`` the GLOBAL number of labelled tokens, so that each
 rank's loss is its tokens' share of the mean over the whole batch: their sum over the group is
 the single-process loss, and summing the gradients over the group gives its gradients.
+
+A token classifier (``shift_labels=False``, e.g. the OpenAI privacy filter) gets each token's own
+label instead, and no ``shift_labels``. Its layers are bidirectional: a real token would attend to
+padding after it, so then nothing is padded and every document's length must already divide by
+2P (``zigzag``) or P (``contiguous``) (ValueError otherwise). Transformers' token-classification
+head means its loss over the rank's own tokens and ignores ``num_items_in_batch``: take the loss
+as the cross entropy of the logits summed over the labelled tokens, divided by
+``num_items_in_batch``.
 """
 
 from __future__ import annotations
@@ -75,9 +83,10 @@ def _document_lengths(batch: Mapping, ids: torch.Tensor) -> list[int]:
     return [b - a for a, b in zip(at, at[1:])]
 
 
-def _padded(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], multiple: int, pad_token_id: int):
+def _padded(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], multiple: int, pad_token_id: int,
+            shift: bool = True):
     """Flat ``ids``/``labels [T]`` of documents ``lengths`` -> padded ``[T', 3]`` rows of (input id,
-    position, shifted label) and the padded lengths."""
+    position, label: the next token's if ``shift``, else the token's own) and the padded lengths."""
     padded = padded_lengths(lengths, multiple)
     n, p = (torch.tensor(x, dtype=torch.int64, device=ids.device) for x in (lengths, padded))
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), p)
@@ -85,15 +94,17 @@ def _padded(ids: torch.Tensor, labels: torch.Tensor, lengths: list[int], multipl
     source = (torch.cumsum(n, 0) - n)[doc] + offset
     last = max(ids.numel() - 1, 0)
     ids_out = torch.where(offset < n[doc], ids[source.clamp(max=last)], pad_token_id)
-    shifted = torch.where(offset + 1 < n[doc], labels[(source + 1).clamp(max=last)], IGNORE)
-    return torch.stack([ids_out, offset, shifted], 1), padded
+    step = int(shift)
+    label = torch.where(offset + step < n[doc], labels[(source + step).clamp(max=last)], IGNORE)
+    return torch.stack([ids_out, offset, label], 1), padded
 
 
 def _cu(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int64, device=device).cumsum(0).to(torch.int32)
 
 
-def shard_batch(batch: Mapping, group=None, layout: str = "zigzag", pad_token_id: int = 0) -> dict:
+def shard_batch(batch: Mapping, group=None, layout: str = "zigzag", pad_token_id: int = 0,
+                shift_labels: bool = True) -> dict:
     """This rank's part of ``batch`` for a model registered with ``context_parallel=``.
 
     Called by every rank of ``group`` (None: the default group) with the same full batch (checked:
@@ -105,10 +116,14 @@ def shard_batch(batch: Mapping, group=None, layout: str = "zigzag", pad_token_id
     only if it is all ones, and ``cu_seq_lens_k``, ``max_length_q/k``, ``seq_idx`` (redone here).
 
     Each document is padded at its end to a multiple of 2P (``zigzag``) or P (``contiguous``)
-    with ``pad_token_id``. Returns, with ``P`` ranks and ``T'`` padded tokens in all:
+    with ``pad_token_id``. ``shift_labels`` (a bool): True for a causal LM; False for token
+    classification: ``batch['labels']`` required, each token keeps its own label, and no document
+    is padded (a bidirectional layer would see the padding; ValueError unless every length is a
+    multiple already). Returns, with ``P`` ranks and ``T'`` padded tokens in all:
 
         input_ids, position_ids   int64 [1, T'/P]   this rank's tokens and their true positions
-        labels, shift_labels      int64 [1, T'/P]   shifted labels (-100: last token of a document, padding)
+        labels, shift_labels      int64 [1, T'/P]   shifted labels (-100: last token of a document, padding);
+                                                    shift_labels=False: each token's own label, no shift_labels
         cu_seq_lens_q/k           int32 [N+1]       the GLOBAL padded packing, same on every rank
         max_length_q/k            int               its longest document
         num_items_in_batch        int               labelled tokens over all ranks (the loss divisor)
@@ -117,6 +132,9 @@ def shard_batch(batch: Mapping, group=None, layout: str = "zigzag", pad_token_id
     rows, padded, error, facts = None, None, None, None
     try:
         check_layout(layout)
+        if not isinstance(shift_labels, bool):
+            raise TypeError(f"shift_labels must be a bool (True: a causal LM, False: token classification), got "
+                            f"{type(shift_labels).__name__}")
         if not isinstance(batch, Mapping):
             raise TypeError(f"batch must be a mapping of model inputs (a dict), got {type(batch).__name__}")
         unknown = sorted(set(batch) - set(_ACCEPTED))
@@ -131,8 +149,18 @@ def shard_batch(batch: Mapping, group=None, layout: str = "zigzag", pad_token_id
             raise ValueError("shard_batch takes batches without padding (attention_mask all ones): pack the documents "
                              "into one row, e.g. with DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
         lengths = _document_lengths(batch, ids)
+        multiple = chunks_per_sequence(g.size, layout)
+        if not shift_labels and any(n % multiple for n in lengths):
+            raise ValueError(
+                f"shard_batch(shift_labels=False) does not pad: a token classifier's bidirectional layers (the OpenAI "
+                f"privacy filter's) would attend to the padding, unlike causal ones; every document's length must be "
+                f"a multiple of {multiple} (layout={layout!r}, P={g.size}), got "
+                f"{[n for n in lengths if n % multiple][:8]}: pack documents of such lengths")
+        if labels is None and not shift_labels:
+            raise ValueError("shard_batch(shift_labels=False) takes the batch's labels (one per token, -100: "
+                             "unlabelled); without labels pass shift_labels=True and drop the labels it returns")
         rows, padded = _padded(ids.reshape(-1), (labels if labels is not None else ids).reshape(-1), lengths,
-                               chunks_per_sequence(g.size, layout), pad_token_id)
+                               multiple, pad_token_id, shift_labels)
         weights = 1 + torch.arange(ids.numel(), device=ids.device) % 1009
         facts = {"the tokens' checksum": float((ids.reshape(-1).long() * weights).sum())}
     except Exception as exc:       # noqa: BLE001 - every rank learns why this one cannot go on
@@ -140,8 +168,11 @@ def shard_batch(batch: Mapping, group=None, layout: str = "zigzag", pad_token_id
     groups.agree(g, facts, error)
     cu = _cu(padded, rows.device)
     local = distributed.shard_varlen(rows, cu, group, layout)
-    shifted = local[:, 2][None]
+    labels = local[:, 2][None]
     longest = max(padded, default=0)
-    return dict(input_ids=local[:, 0][None], position_ids=local[:, 1][None], labels=shifted, shift_labels=shifted,
-                cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
-                num_items_in_batch=int((rows[:, 2] != IGNORE).sum()))
+    out = dict(input_ids=local[:, 0][None], position_ids=local[:, 1][None], labels=labels,
+               cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
+               num_items_in_batch=int((rows[:, 2] != IGNORE).sum()))
+    if shift_labels:
+        out["shift_labels"] = labels
+    return out
