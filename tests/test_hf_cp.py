@@ -2,7 +2,8 @@
 launched as a user launches it: ``torchrun --nproc-per-node P`` (``python -m torch.distributed.run``), P = 2 and 3,
 gloo on CPU, fp32. Every rank's loss, logits and every parameter gradient (sinks included), gathered and summed
 over the group, against one process running the unpadded packed batch through ``attn_implementation="sinkattn"``.
-The other causal sink families (``sinkattn.testing.families``) at P = 2, ring and Ulysses, in the P = 2 launch.
+The other sink families (``sinkattn.testing.families``) at P = 2, ring and Ulysses, in the P = 2 launch: the causal
+decoders, and the bidirectional token classifier with unshifted labels (``shard_batch(shift_labels=False)``).
 """
 
 import os
@@ -23,7 +24,8 @@ NAME = sinkattn.hf.register()
 RTOL = 1e-5
 
 
-CP_FAMILIES = ("mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint")    # causal / sliding decoders
+# causal / sliding decoders, and a bidirectional sliding-window token classifier (unshifted labels)
+CP_FAMILIES = ("mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint", "openai_privacy_filter")
 
 
 @pytest.fixture(scope="module", params=(2, 3), ids=lambda P: f"P{P}")
@@ -133,23 +135,55 @@ def test_bad_settings_are_refused():
 @pytest.mark.parametrize("family", CP_FAMILIES)
 def test_other_families_match_one_process(families_launched, family, run):
     """MiMo-V2-Flash (Dv != D, one KV head, sinks on the sliding layer only), Granite-SWA and
-    GraniteMoE-SWA (attention_multiplier scale), Flint: loss, logits and every gradient within 1e-5 of
-    one process. (DeepSeek-V4 matches too but for its hyper-connection head scalars, whose fp32
-    gradients move by up to 1e-3 with the summation order alone: docs/hf.md.)"""
+    GraniteMoE-SWA (attention_multiplier scale), Flint, and the OpenAI privacy filter (bidirectional
+    window, token classifier: unshifted labels, loss from the logits over the global labelled count):
+    loss, logits and every gradient within 1e-5 of one process. (DeepSeek-V4 matches too but for its
+    hyper-connection head scalars, whose fp32 gradients move by up to 1e-3 with the summation order
+    alone: docs/hf.md.)"""
     model = hf_cp.model(NAME, family)
-    out = model(**hf_cp.batch())
-    out.loss.backward()
+    batch = hf_cp.family_batch(family)
+    out = model(**batch)
+    loss = hf_cp.family_loss(family, out, batch["labels"], int((batch["labels"] != -100).sum()))
+    loss.backward()
     want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     got = families_launched[0]["families"][(family, *run)]
     assert not isinstance(got, tuple), got
     assert all(torch.equal(res["families"][(family, *run)]["logits"], got["logits"]) for res in families_launched)
-    assert rel(got["loss"], out.loss.detach()) <= RTOL, f"loss {got['loss']} vs {out.loss}"
-    logits = got["logits"][hf_cp.real_rows(2, run[1])]
+    assert rel(got["loss"], loss.detach()) <= RTOL, f"loss {got['loss']} vs {loss}"
+    documents = hf_cp.CLASSIFIER_DOCUMENTS if family in hf_cp.CLASSIFIERS else hf_cp.DOCUMENTS
+    logits = got["logits"][hf_cp.real_rows(2, run[1], documents)]
     assert rel(logits, out.logits[0].detach()) <= RTOL, f"logits rel err {rel(logits, out.logits[0].detach()):.2e}"
-    assert got["grads"].keys() == want.keys() and any(n.endswith("self_attn.sinks") for n in want)
+    sinks = [n for n in want if n.endswith("self_attn.sinks")]
+    assert got["grads"].keys() == want.keys() and sinks and all(want[n].abs().min() > 0 for n in sinks)
     for name, g in want.items():
         err = rel(got["grads"][name], g)
         assert err <= RTOL, f"grad {name} rel err {err:.2e}"
+
+
+def test_unshifted_labels_stay_with_their_tokens(families_launched):
+    """shard_batch(shift_labels=False) at P = 2: each rank's labels are those of its own tokens (the
+    classifier batch labels token t with input id % 5, -100 at a document's first token), no
+    ``shift_labels`` key, ``num_items_in_batch`` the labelled tokens of the whole batch; documents that
+    would need padding (which a bidirectional layer would attend to), a non-bool ``shift_labels`` and a
+    batch without labels are refused on every rank."""
+    full = hf_cp.classifier_batch()
+    tokens = 0
+    for res in families_launched:
+        got = res["unshifted_labels"]
+        assert "shift_labels" not in got["keys"] and "labels" in got["keys"]
+        ids, positions, labels = got["input_ids"][0], got["position_ids"][0], got["labels"][0]
+        assert torch.equal(labels, torch.where(positions == 0, -100, ids % 5))
+        assert got["num_items"] == int((full["labels"] != -100).sum())
+        tokens += ids.numel()
+    assert tokens == sum(hf_cp.CLASSIFIER_DOCUMENTS)
+    refusals = [res["unshifted_labels"]["refusals"] for res in families_launched]
+    assert all(r == refusals[0] for r in refusals), refusals
+    texts = {"padding": ("ValueError", "every document's length must be a multiple of 4 (layout='zigzag', P=2), "
+                                       "got [13, 5, 9]"),
+             "not a bool": ("TypeError", "shift_labels must be a bool"),
+             "no labels": ("ValueError", "shard_batch(shift_labels=False) takes the batch's labels")}
+    for which, (kind, text) in texts.items():
+        assert refusals[0][which][0] == kind and text in refusals[0][which][1], refusals[0][which]
 
 
 def test_an_indexed_attention_layer_is_refused_on_every_rank(families_launched):

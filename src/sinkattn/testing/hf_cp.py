@@ -8,8 +8,11 @@ HQ=12, HKV=6, so that Ulysses splits the heads over P = 2 and 3) and the same pa
 (method, layout): ``shard_batch``, forward, loss, backward, and gathers the full result: the
 logits of the padded packing (``unshard_varlen``), the loss and every gradient summed over the
 group. Then the refusals (every rank raises the same error), and a call on this rank's heads
-with the whole sinks under ``head_group=`` (``_head_group``). Each rank saves
-``FOLDER/rank{r}.pt``; the test compares them with one process.
+with the whole sinks under ``head_group=`` (``_head_group``). Given family names, their runs too:
+a token classifier (``CLASSIFIERS``, the bidirectional OpenAI privacy filter) on
+``classifier_batch()`` with unshifted labels (``shard_batch(shift_labels=False)``), whose
+documents need no padding, and that call's shards and refusals (``_unshifted_labels``). Each
+rank saves ``FOLDER/rank{r}.pt``; the test compares them with one process.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import traceback
 
 import torch
 
-__all__ = ["config", "DOCUMENTS", "RUNS", "batch", "real_rows", "padded_lengths_for", "serve", "launch",
-           "relative_error"]
+__all__ = ["config", "DOCUMENTS", "RUNS", "CLASSIFIERS", "batch", "classifier_batch", "family_batch", "family_loss",
+           "real_rows", "padded_lengths_for", "serve", "launch", "relative_error"]
 
 DOCUMENTS = (13, 5, 20, 9)
+CLASSIFIERS = ("openai_privacy_filter",)     # token classifiers: unshifted labels, documents that need no padding
+CLASSIFIER_DOCUMENTS = (12, 4, 20, 8)       # multiples of 2P = 4: shard_batch(shift_labels=False) does not pad
 RUNS = (("ring", "zigzag"), ("ulysses", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous"))
 FAMILY_RUNS = (("ring", "zigzag"), ("ulysses", "zigzag"))
 
@@ -44,15 +49,39 @@ def batch(seed: int = 0, documents=DOCUMENTS, flash_kwargs: bool = True) -> dict
     return dict(DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(docs))
 
 
-def padded_lengths_for(P: int, layout: str) -> list[int]:
+def classifier_batch(num_labels: int = 5) -> dict:
+    """``batch`` of ``CLASSIFIER_DOCUMENTS`` for a token classifier: each token's label its input id modulo
+    ``num_labels`` (-100, unlabelled, at each document's first token, as the collator leaves it)."""
+    out = batch(documents=CLASSIFIER_DOCUMENTS)
+    out["labels"] = torch.where(out["labels"] == -100, -100, out["input_ids"] % num_labels)
+    return out
+
+
+def family_batch(family: str | None) -> dict:
+    """The packed batch a family's model runs: ``classifier_batch()`` for ``CLASSIFIERS``, else ``batch()``."""
+    return classifier_batch() if family in CLASSIFIERS else batch()
+
+
+def family_loss(family: str | None, out, labels: torch.Tensor, num_items: int) -> torch.Tensor:
+    """The loss of ``out`` as a share of the whole batch's mean: a causal LM's ``out.loss`` (it takes
+    ``num_items_in_batch``); for ``CLASSIFIERS`` the cross entropy of the logits summed over ``labels``
+    and divided by ``num_items``, since transformers' token-classification head ignores ``num_items_in_batch``
+    and means over the tokens it is given."""
+    if family not in CLASSIFIERS:
+        return out.loss
+    logits = out.logits.float().reshape(-1, out.logits.shape[-1])
+    return torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="sum") / num_items
+
+
+def padded_lengths_for(P: int, layout: str, documents=DOCUMENTS) -> list[int]:
     multiple = 2 * P if layout == "zigzag" else P
-    return [-(-n // multiple) * multiple for n in DOCUMENTS]
+    return [-(-n // multiple) * multiple for n in documents]
 
 
-def real_rows(P: int, layout: str) -> torch.Tensor:
+def real_rows(P: int, layout: str, documents=DOCUMENTS) -> torch.Tensor:
     """int64: the rows of the padded packing that hold the documents' own tokens, in order."""
     rows, start = [], 0
-    for n, padded in zip(DOCUMENTS, padded_lengths_for(P, layout)):
+    for n, padded in zip(documents, padded_lengths_for(P, layout, documents)):
         rows.append(torch.arange(start, start + n))
         start += padded
     return torch.cat(rows)
@@ -77,10 +106,11 @@ def _run(method: str, layout: str, family: str | None = None) -> dict:
     name = sinkattn.hf.register(f"sinkattn_cp_{method}_{layout}",
                                 context_parallel=sinkattn.hf.ContextParallel(None, method, layout))
     model_ = model(name, family)
-    local = sinkattn.hf.shard_batch(batch(), layout=layout)
+    local = sinkattn.hf.shard_batch(family_batch(family), layout=layout, shift_labels=family not in CLASSIFIERS)
     out = model_(**local)
-    out.loss.backward()
-    loss = out.loss.detach().clone()
+    loss = family_loss(family, out, local["labels"], local["num_items_in_batch"])
+    loss.backward()
+    loss = loss.detach().clone()
     dist.all_reduce(loss)
     grads = {}
     for n, p in model_.named_parameters():
@@ -155,6 +185,21 @@ def _head_group() -> dict:
                 heads=(heads.start, heads.stop))
 
 
+def _unshifted_labels() -> dict:
+    """``shard_batch(shift_labels=False)`` of ``classifier_batch()``: this rank's input ids, positions,
+    labels, the keys returned and ``num_items_in_batch``; then what it raises for documents that would
+    need padding, a ``shift_labels`` that is not a bool, and a batch without labels."""
+    import sinkattn.hf
+
+    local = sinkattn.hf.shard_batch(classifier_batch(), shift_labels=False)
+    unlabelled = {k: v for k, v in classifier_batch().items() if k != "labels"}
+    return dict(keys=sorted(local), input_ids=local["input_ids"], position_ids=local["position_ids"],
+                labels=local["labels"], num_items=local["num_items_in_batch"],
+                refusals={"padding": _raised(lambda: sinkattn.hf.shard_batch(batch(), shift_labels=False)),
+                          "not a bool": _raised(lambda: sinkattn.hf.shard_batch(batch(), shift_labels=0)),
+                          "no labels": _raised(lambda: sinkattn.hf.shard_batch(unlabelled, shift_labels=False))})
+
+
 def serve(folder: str, init, steps) -> None:
     """A rank's whole run: ``init()`` joins the group, then ``steps`` (``(key, fn)`` pairs) fill
     ``results[key] = fn()`` until one raises (its traceback kept as ``results["failure"]``); the results go
@@ -196,13 +241,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def main(folder: str, families: list[str]) -> None:
     """gpt-oss's ``RUNS``, refusals and head-group call; then, given ``families``, each family's ``FAMILY_RUNS``
-    (each run's result, or the error it raised on every rank, under ``results["families"]``)."""
+    (each run's result, or the error it raised on every rank, under ``results["families"]``) and
+    ``_unshifted_labels``."""
     import torch.distributed as dist
 
     steps = [("runs", lambda: {run: _run(*run) for run in RUNS}), ("refusals", _refusals), ("head_group", _head_group)]
     if families:
         steps.append(("families", lambda: {(f, *run): _raised_or(_run, *run, f) for f in families
                                            for run in FAMILY_RUNS}))
+        steps.append(("unshifted_labels", _unshifted_labels))
     serve(folder, lambda: dist.init_process_group("gloo"), steps)
 
 
