@@ -570,10 +570,12 @@ def write_json(path, record) -> None:
 
 
 def header(device="cpu") -> dict:
-    info = dict(machine=_cpu_model(), isa=_cpu_isa(), dispatch=torch.backends.cpu.get_cpu_capability().lower(),
-                ceiling=isa.ceiling(), cores=os.cpu_count(), threads=torch.get_num_threads(),
+    info = dict(machine=_cpu_model(), isa=_cpu_isa(), dispatch=isa.capability(),
+                cores=os.cpu_count(), threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
                 commit=_commit())
+    if isa.ceiling() is not None:          # a process held to a narrower instruction set (``sinkattn.testing.isa``)
+        info["ceiling"] = isa.ceiling()
     try:
         import triton
         info["triton"] = triton.__version__
