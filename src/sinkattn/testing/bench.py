@@ -574,8 +574,9 @@ def header(device="cpu") -> dict:
                 cores=os.cpu_count(), threads=torch.get_num_threads(),
                 python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
                 commit=_commit())
-    if isa.ceiling() is not None:          # a process held to a narrower instruction set (``sinkattn.testing.isa``)
-        info["ceiling"] = isa.ceiling()
+    ceiling = isa.ceiling()
+    if ceiling is not None:                # a process held to a narrower instruction set (``sinkattn.testing.isa``)
+        info["ceiling"] = ceiling
     try:
         import triton
         info["triton"] = triton.__version__

@@ -116,8 +116,9 @@ def _max_lens(q: torch.Tensor, k: torch.Tensor, batch) -> tuple[int, int]:
 
 
 def forward(q, k, v, batch, window, softmax_scale, needs_grad):
-    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``(o [Tq, HQ, D] fp32, Stats(m2, log2_l) [HQ, Tq])``,
-    the softmax over keys with its statistics in base 2 (the kernels' row maximum of ``s * log2(e)``)."""
+    """``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``, ``v [Tk, HKV, Dv]`` -> ``(o [Tq, HQ, Dv] fp32,
+    Stats(m2, log2_l) [HQ, Tq])``, the softmax over keys with its statistics in base 2 (the kernels' row
+    maximum of ``s * log2(e)``)."""
     Dv = v.shape[2]
     cu_seqlens_q, cu_seqlens_k = batch.cu_seqlens_q, batch.cu_seqlens_k
     q, k, v, cu_seqlens_q, cu_seqlens_k = _kernel_layout(q, k, v, cu_seqlens_q, cu_seqlens_k,
