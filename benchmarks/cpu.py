@@ -20,12 +20,13 @@ processes of section (2) too.
 
 ``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
 oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without AVX-512 (or
-without its bf16 instructions and AMX) runs, timed on this one. The header records the capability
-PyTorch took.
+without its bf16 instructions and AMX) runs, timed on this one (on a CPU of that level too: the header
+then records the ceiling). The header records the capability PyTorch took.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -115,7 +116,7 @@ def main(argv=None):
     ap.add_argument("--isa", choices=list(isa.LEVELS),
                     help="run under this instruction-set ceiling (default: the CPU's own)")
     args = bench.parse_script_args(ap, argv)
-    if args.isa and isa.capability() != args.isa:
+    if args.isa and any(os.environ.get(name) != value for name, value in isa.LEVELS[args.isa].items()):
         rest = list(sys.argv[1:] if argv is None else argv)
         child = subprocess.run([sys.executable, __file__, *rest], env=isa.environment(args.isa))
         if child.returncode:
