@@ -10,8 +10,9 @@ The wall time of the checks (golden included) is printed for CI's budget; an int
 nothing about GPU speed, and nothing else is timed (no ``--repeats``). Asserts nothing.
 
 ``--backend cpu`` asks what a bf16 path of the cpu backend built on bf16 x bf16 -> fp32 products (AMX,
-AVX512-BF16) would give up, before one is built. The backend multiplies in fp32; here its tile
-products are handed bf16 operands instead, as such a product reads them: ``q``, ``k``, ``v``, ``dO``
+AVX512-BF16) would give up, before one is built. The backend multiplies in fp32; here the tile
+products of its PyTorch-op path (``SINKATTN_CPU_KERNEL=python`` for the duration) are handed bf16
+operands instead, as such a product reads them: ``q``, ``k``, ``v``, ``dO``
 are bf16 values already, ``P`` and ``dS`` are rounded to bf16 (plain), or ``P`` is rounded in ``P V``
 and split ``hi + lo`` (each bf16) in ``P^T dO`` and ``dS`` in ``dS K`` and ``dS^T Q`` (compensated).
 bf16 only (fp16 operands are not bf16 values); batches of 1-4 sequences of 0-160 tokens.
@@ -72,11 +73,17 @@ def _cpu_bf16_operands(compensated: bool):
 
     cpu_tiles.block_products = cpu_small.block_products = bf16_products
     cpu_tiles._pv = lambda p, vb, mask, literal: pv(_bf16(p), vb, mask, literal)
+    kernel = os.environ.get("SINKATTN_CPU_KERNEL")
+    os.environ["SINKATTN_CPU_KERNEL"] = "python"        # the PyTorch-op tiles, whose products these are
     try:
         yield
     finally:
         cpu_tiles.block_products = cpu_small.block_products = products
         cpu_tiles._pv = pv
+        if kernel is None:
+            del os.environ["SINKATTN_CPU_KERNEL"]
+        else:
+            os.environ["SINKATTN_CPU_KERNEL"] = kernel
 
 
 SUBJECTS = {"triton": (_triton_products, DTYPES, cases.INTERPRETER_RANDOM, DEVICE),

@@ -2,14 +2,17 @@
 
 PyTorch picks its CPU kernels per instruction set at start-up (``ATEN_CPU_CAPABILITY``); MKL and oneDNN
 do the same (``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``). The cpu backend is built from those
-kernels, so a CPU with fewer vector units (AVX2 only, or none: the scalar ``default`` kernels) runs other
-code for its exponentials, reductions, conversions and products. Each level below runs in a fresh
+kernels, and its compiled kernel is built for the same level (``cpu_native``), so a CPU with fewer
+vector units (AVX2 only, or none: the scalar ``default`` kernels) runs other code for its exponentials,
+reductions, conversions and products. Each level below runs in a fresh
 process limited to it by ``sinkattn.testing.isa`` (which reports the capability it got, so a limit that
 did not take fails the test): training and inference calls in fp16, bf16 and fp32, windows, packed
 and dense, sharp scores, against the float64 golden (Gate A) with NaN-poisoned buffers, and the same
 bits on a second run."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +22,7 @@ from sinkattn.testing import isa
 
 _CHILD = """
 import json, torch
+from sinkattn.backends import cpu_native
 from sinkattn.testing import cases, isa, verify
 torch.set_num_threads(1)
 checks = [
@@ -29,7 +33,7 @@ checks = [
     cases.Case("L2", 2, 2, (40,), (40,), D=8, dtype=torch.float32, causal=False, score_bound=300.0),
     cases.Case("L2", 4, 4, (3, 1, 5, 16), (3, 9, 5, 16), D=16, dtype=torch.bfloat16),   # the short-sequence path
 ]
-out = {"capability": isa.capability(), "failed": []}
+out = {"capability": isa.capability(), "path": cpu_native.describe(), "failed": []}
 for case in checks:
     result = verify.run_case(case, "cpu", repeats=2)
     if not result.passed:
@@ -49,4 +53,6 @@ def test_cpu_backend_meets_the_standard_on_a_narrower_instruction_set(level):
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["capability"] == level, got      # the limit took
+    if shutil.which(os.environ.get("CXX") or "c++"):   # the compiled kernel, built for that level
+        assert got["path"].startswith(f"compiled kernel ({level.upper()}, "), got["path"]
     assert got["failed"] == [], got["failed"]

@@ -23,7 +23,7 @@ def test_inference_forward_passes_gate_a(case):
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in PATH_CASES[:8]])
-def test_inference_takes_the_fused_kernel_and_training_the_tiles(case, monkeypatch):
+def test_inference_takes_the_fused_kernel_and_training_does_not(case, monkeypatch):
     calls = []
     for module in (cpu_fused, cpu_tiles):
         def recorded(*a, _real=module.forward, _module=module, **kw):

@@ -19,8 +19,9 @@ APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523
 
 
 def _sources() -> set[str]:
-    """The package's modules, relative to src/: ``sinkattn/...py``."""
-    return {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "sinkattn").rglob("*.py")}
+    """The package's modules and the compiled kernel's source, relative to src/: ``sinkattn/...py``."""
+    package = ROOT / "src" / "sinkattn"
+    return {p.relative_to(ROOT / "src").as_posix() for p in (*package.rglob("*.py"), *package.rglob("*.cpp"))}
 
 
 def _pyproject_floor() -> str:

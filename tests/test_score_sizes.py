@@ -111,6 +111,7 @@ def test_causal_rows_with_more_keys_than_queries(Lq, Lk, D, bound):
         assert all(r.gate_b for r in result.reports if r.name in GATE_B), describe(result)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("Lq,Lk,causal", [(17, 17, False), (17, 17, True), (24, 3, True), (17, 5, False)])
 def test_row_blocks_that_cannot_keep_their_products(monkeypatch, Lq, Lk, causal):
     """A row block over more keys than ``KEPT_ELEMENTS`` allows computes ``P``/``dP`` twice and adds the dominant

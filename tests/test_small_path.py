@@ -1,7 +1,8 @@
 """The cpu backend's batched path for packed short sequences (``cpu_small``), through the public API with
 NaN-poisoned buffers against the float64 golden (mixed with longer sequences and decoding rows), and what
 it promises beyond the values: a short sequence's result does not depend on the rest of the call, and
-empty sequences cost no work."""
+empty sequences cost no work. Each test runs on the PyTorch-op paths (where ``cpu_small`` takes these
+sequences) and through the compiled kernel (``cpu_path``)."""
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import sinkattn
 from sinkattn.backends import cpu, cpu_small, layout
 from sinkattn.testing import cases, verify
 from conftest import describe
+
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 C = cases.Case
 SMALL_CASES = [

@@ -1,32 +1,35 @@
 """``backend="cpu"``: sink attention on CPU tensors, in fp32 for every input dtype.
 
-Each call's sequences are split between two paths (``layout.split``), both computing the softmax
-over keys of the backend protocol (``sinkattn.backends``; the sink joins in ``sinkattn.sink``):
+Every path computes the softmax over keys of the backend protocol (``sinkattn.backends``; the sink
+joins in ``sinkattn.sink``) in the tiles of ``cpu_tiles`` (its docstring gives the numerics):
 
-* ``cpu_small`` takes the packed sequences of at most ``cpu_small.SHORT_LENGTH`` queries and keys,
-  many per batch, each bucket of them one tile.
-* ``cpu_tiles`` takes the others, in runs of equal-length sequences (a dense batch is one run):
-  blocks of rows against chunks of their visible keys, the same tiles for forward and backward,
-  exact at any score size.
+* the compiled kernel (``cpu_native``, built on first use where a C++ compiler is present) takes
+  every call that needs gradients, every backward, and the forwards the fused kernel cannot take
+  (``Dv != D``, a scale <= 0): all sequences of a packed batch in one call, the element-wise work
+  fused between its matrix products;
+* PyTorch's fused flash-attention kernel (``cpu_fused``, the fastest CPU forward) takes a call
+  without gradients; a dense batch that one unmasked fused-kernel call covers, as in decoding, is
+  handed over as it is, any strides;
+* the PyTorch-op paths take the rest: inputs holding NaN or inf (those reach exactly the rows that
+  see their key, ``nonfinite``, which only these ensure), and every call where the kernel is not
+  built (``SINKATTN_CPU_KERNEL=python``, no compiler). ``cpu_small`` takes the packed sequences of at
+  most ``cpu_small.SHORT_LENGTH`` queries and keys, many per tile; ``cpu_tiles`` the others, in runs
+  of equal-length sequences (a dense batch is one run).
 
-A call without gradient runs its runs through PyTorch's fused flash-attention kernel instead
-(``cpu_fused``, the fastest CPU forward; a dense batch that one unmasked kernel call covers, as in
-decoding, is handed over as it is, any strides), unless ``q``, ``k`` or ``v`` hold NaN or inf: those
-reach exactly the rows that see their key (``nonfinite``), which only the tiles ensure.
-
-fp16 / bf16 inputs are cast up once (the fp32 products are also far faster than bf16 ones on CPUs
-without bf16 matrix units); results are cast by the caller. dK/dV are reduced over the group inside
-the paths, in fp32 and a fixed order: results are bitwise reproducible.
+fp16 / bf16 inputs are cast up once; results are cast by the caller. dK/dV are reduced over the group
+inside the paths, in fp32 and a fixed order: results are bitwise reproducible (the compiled kernel's
+for any thread count: each result element is one thread's).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .. import sink
-from . import buffers, cpu_fused, cpu_small, cpu_tiles, layout, nonfinite
+from .. import masks, sink
+from . import buffers, cpu_fused, cpu_native, cpu_small, cpu_tiles, layout, nonfinite
 from .capabilities import Capabilities
 from .scores import MAX_SCORE, check_fp32_range, loose_bound, score_bound
 
@@ -41,6 +44,33 @@ CAPABILITIES = Capabilities(
 )
 
 _NEG_INF = float("-inf")
+
+
+NATIVE_BM = 128
+"""Stacked rows (``G`` heads times positions) per row block of the compiled kernel."""
+
+
+def _scales(softmax_scale: float) -> tuple[float, float]:
+    """The compiled kernel's ``(row_scale, score_scale)``: ``cpu_tiles.row_scale`` / ``score_scale``, 1 for none."""
+    row, score = cpu_tiles.row_scale(softmax_scale), cpu_tiles.score_scale(softmax_scale)
+    return (1.0 if row is None else row), (1.0 if score is None else score)
+
+
+def _sequences(batch, window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compiled kernel's view of the call's sequences: ``cu_seqlens_q``, ``cu_seqlens_k`` int64 and
+    ``[Tq, 2]`` int64, the keys ``[lo, hi)`` of its own sequence that each query token sees (``masks``).
+    Kept for the last few layouts: a model's layers, and a call's backward, share one."""
+    return _sequences_of(tuple(batch.cu_seqlens_q.tolist()), tuple(batch.cu_seqlens_k.tolist()), tuple(window))
+
+
+@functools.lru_cache(maxsize=8)
+def _sequences_of(cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...], window: tuple[int, int]):
+    cu_q, cu_k = torch.tensor(cu_seqlens_q, dtype=torch.int64), torch.tensor(cu_seqlens_k, dtype=torch.int64)
+    Tq = cu_seqlens_q[-1]
+    Lq, Lk = cu_q.diff(), cu_k.diff()
+    seq = torch.repeat_interleave(torch.arange(Lq.numel()), Lq, output_size=Tq)
+    lo, hi = masks.row_key_bounds(torch.arange(Tq) - cu_q[seq], Lq[seq], Lk[seq], *window)
+    return cu_q, cu_k, torch.stack((lo, hi), 1)
 
 
 def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> layout.Split:
@@ -85,13 +115,18 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     Tq, HQ, D = q.shape
     bound = score_bound(q32, k32, softmax_scale)
     check_fp32_range(bound, q32, k32)
-    parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
     # a finite, nonzero bound has finite norms: q and k are finite, only v is left to look at
     literal = nonfinite.present(v32) or (not 0.0 < bound < math.inf and nonfinite.present(q32, k32))
     out = buffers.new((Tq, HQ, v.shape[2]), torch.float32, q.device)          # [Tq, HQ, Dv]
     m = buffers.new((HQ, Tq), torch.float32, q.device)
     log_l = buffers.new((HQ, Tq), torch.float32, q.device)
     # the fused kernel masks before it scales, and takes one head dim (Dv = D)
+    native = None if literal else cpu_native.load()
+    if native is not None and (needs_grad or softmax_scale <= 0 or v.shape[2] != D):
+        native.forward(q32.contiguous(), k32.contiguous(), v32.contiguous(), *_sequences(batch, window),
+                       *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, out, m, log_l)
+        return out, sink.Stats(m, log_l)
+    parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
     if not needs_grad and not literal and softmax_scale > 0 and v.shape[2] == D:
         cpu_fused.forward(q32, k32, v32, parts.runs, out, m, softmax_scale, window)
         for run in parts.runs:
@@ -110,12 +145,22 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     of its rows (``partial``), taken from ``o``."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
     delta = sink.row_delta(do32, o, dlse).contiguous()
-    parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, q.shape[1])
     literal = nonfinite.present(q32, k32, v32)
     dq = buffers.new(q.shape, torch.float32, q.device)
     dk = buffers.new(k.shape, torch.float32, q.device)
     dv = buffers.new(v.shape, torch.float32, q.device)
     inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0
+    native = None if literal else cpu_native.load()
+    if native is not None:
+        none = q32.new_empty(0)
+        native.backward(do32.contiguous(), q32.contiguous(), k32.contiguous(), v32.contiguous(),
+                        stats.m.contiguous(), inv_l.contiguous(), delta,
+                        none if dlse is None else dlse.float().contiguous(),
+                        none if sink_mass is None else sink_mass.float().contiguous(),
+                        *_sequences(batch, window), *_scales(softmax_scale), softmax_scale, not partial,
+                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, dq, dk, dv)
+        return dq, dk, dv, delta
+    parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, q.shape[1])
     for path, sequences in ((cpu_tiles, parts.runs), (cpu_small, parts.small)):
         path.backward(do32, q32, k32, v32, stats.m, inv_l, delta, dlse, sink_mass, sequences, dq, dk, dv,
                       softmax_scale, window, literal, exact=not partial)

@@ -44,6 +44,9 @@ can hold a key of ``P >= 1/2`` (``1/l < 1/2``) skips the search for one.
 Non-finite inputs (``literal``): products of a masked tile then keep a NaN or inf of ``q``, ``k`` or
 ``v`` to the pairs that are visible (``nonfinite.visible_matmul``); a whole visible tile needs nothing.
 The dominant-key correction (``Dominant``) is left out there: each gradient keeps the formula's own terms.
+
+The compiled kernel (``cpu_native``, ``csrc/cpu_attention.cpp``) computes these tiles and rules for
+finite inputs in one call per batch; this module is the path for NaN / inf and where it is not built.
 """
 
 from __future__ import annotations

@@ -584,6 +584,9 @@ def header(device="cpu") -> dict:
         info["triton"] = "not installed"
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
+    else:
+        from ..backends import cpu_native
+        info["cpu_path"] = cpu_native.describe()
     return info
 
 

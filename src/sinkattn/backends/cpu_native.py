@@ -1,0 +1,157 @@
+"""The CPU path's compiled kernel (``csrc/cpu_attention.cpp``), built on first use: ``torch.ops.sinkattn_cpu``.
+
+It computes what ``cpu_tiles`` computes (same tiles, same rounding rules: see that module) for every
+sequence of a packed batch in one call, with the element-wise work fused between the products
+(oneDNN's batch-reduce GEMM through ``at::native::cpublas::brgemm``), so a call is one kernel rather
+than a few hundred PyTorch ops. Inputs holding NaN or inf still take ``cpu_tiles`` (``nonfinite``).
+
+Build: the C++ compiler (``$CXX``, else ``c++``) compiles the one source against the installed torch
+for the instruction set PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX512,
+AVX2 or the portable default, so ``ATEN_CPU_CAPABILITY`` chooses it too), once per source, torch and
+instruction set, into ``$SINKATTN_CACHE`` (default ``~/.cache/sinkattn``); later processes load it in
+milliseconds. ``SINKATTN_CPU_KERNEL`` picks the path: ``auto`` (default: the compiled kernel, or
+``cpu_tiles`` when it cannot be built: no compiler, a failed build, which warns once),
+``compiled`` (an error when it cannot be built) or ``python`` (``cpu_tiles`` always).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["MODES", "mode", "load", "available", "describe", "library_path"]
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+MODES = ("auto", "compiled", "python")
+_ENV = "SINKATTN_CPU_KERNEL"
+
+# instruction set -> compiler flags, as PyTorch builds its own kernels for each
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
+}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}       # "ops" (the loaded namespace) or "error" (why there is none)
+
+
+def mode() -> str:
+    """``SINKATTN_CPU_KERNEL``, checked: one of ``MODES``."""
+    value = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{_ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def _isa() -> str:
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in _ISA_FLAGS else "DEFAULT"
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("SINKATTN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "sinkattn")
+    return Path(base)
+
+
+def _command(compiler: str, output: str) -> list[str]:
+    root = Path(torch.__file__).parent
+    include = [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    libs = [str(root / "lib")]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *_ISA_FLAGS[_isa()], *include, str(SOURCE), "-o", output,
+            *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs], "-lc10", "-ltorch_cpu"]
+
+
+def library_path() -> Path:
+    """Where the build for this source, torch, Python and instruction set lives (it may not exist yet)."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {_ISA_FLAGS[_isa()]}".encode())
+    return _cache_dir() / f"cpu_attention-{_isa().lower()}-{key.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(_command(compiler, tmp), capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            log = target.with_suffix(".log")
+            log.write_text(" ".join(_command(compiler, tmp)) + "\n\n" + done.stderr)
+            raise RuntimeError(f"the build failed (exit {done.returncode}); the compiler's output is in {log}")
+        os.replace(tmp, target)            # atomic: processes building at once each install a whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load():
+    """``torch.ops.sinkattn_cpu``, built first if needed; None where the mode is ``python`` or (``auto``) the
+    kernel cannot be built. Raises ``RuntimeError`` in mode ``compiled`` when it cannot."""
+    chosen = mode()
+    if chosen == "python":
+        return None
+    with _lock:
+        if "ops" not in _state and "error" not in _state:
+            try:
+                if not _registered():      # a library defines its ops once per process
+                    path = library_path()
+                    if not path.exists():
+                        _build(path)
+                    torch.ops.load_library(str(path))
+                _state["ops"] = torch.ops.sinkattn_cpu
+            except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+                _state["error"] = str(error)
+                if shutil.which(os.environ.get("CXX") or "c++") is not None and chosen == "auto":
+                    warnings.warn(f"sinkattn: the compiled CPU kernel is not available ({error}); the CPU backend "
+                                  f"runs its PyTorch-op tiles instead (set {_ENV}=python to choose them quietly)",
+                                  RuntimeWarning, stacklevel=3)
+    if "error" in _state and chosen == "compiled":
+        raise RuntimeError(f"{_ENV}=compiled, but the compiled CPU kernel is not available: {_state['error']}")
+    return _state.get("ops")
+
+
+def _registered() -> bool:
+    """Whether this process holds the kernel's ops already (loading a second build would define them again)."""
+    return "sinkattn_cpu::forward" in torch._C._dispatch_get_all_op_names()
+
+
+def available() -> bool:
+    """Whether CPU calls run the compiled kernel (building it if needed)."""
+    return load() is not None
+
+
+def describe() -> str:
+    """One line for reports: which CPU path runs, and why."""
+    chosen = mode()
+    if chosen == "python":
+        return f"PyTorch-op tiles ({_ENV}=python)"
+    try:
+        ops = _quiet_load()
+    except RuntimeError:                   # mode compiled, and none: said below
+        ops = None
+    if ops is None:
+        return f"PyTorch-op tiles (compiled kernel unavailable: {_state.get('error')})"
+    return f"compiled kernel ({_isa()}, {library_path().name})"
+
+
+def _quiet_load():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load()

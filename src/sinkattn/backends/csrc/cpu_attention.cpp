@@ -1,0 +1,560 @@
+// The CPU path's tiles in one compiled kernel: the softmax over keys of each row (forward) and its
+// gradients (backward), for every sequence of a packed batch in one call, without a pass over memory
+// between the products. Built on first use for the instruction set PyTorch dispatches to
+// (sinkattn/backends/cpu_native.py); the numerics are those of cpu_tiles.py, whose docstring explains
+// them. Inputs are fp32 and contiguous, lengths and visible key ranges are given by the caller:
+//
+//   q [Tq, HQ, D], k [Tk, HKV, D], v [Tk, HKV, Dv], cu_q / cu_k [N + 1] int64,
+//   bounds [Tq, 2] int64: the keys [lo, hi) of its sequence that a query token sees (hi <= lo: none).
+//
+// A task is one sequence and one KV head: its G query heads are stacked as the rows of a block
+// (BM rows: R = BM / G positions of each head), chunks of BN keys. Tasks run in parallel; each result
+// element is written by exactly one task, in a fixed order, so results do not depend on the thread count.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kExpFloor = -87.0f;   // cpu_tiles.EXP_FLOOR
+constexpr double kDominantFrom = 0.5;   // cpu_tiles.DOMINANT_FROM
+
+// Row-major C[M, N] (+)= A[M, K] B[K, N] on one thread (oneDNN's batch-reduce GEMM, or BLAS where it has none).
+void mm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+        int64_t ldc, bool add) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    if (!add) for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+}
+
+// e^(x - c) - e^floor with the exponent floored, over n elements in place; every element goes through
+// the same vector code (a partial vector for the tail), so its bits do not depend on its position.
+float exp_floor_value() {
+  float x = kExpFloor;
+  Vec::loadu(&x, 1).exp().store(&x, 1);
+  return x;
+}
+
+// Four independent vector accumulators: a row's reductions run at the adder's throughput, not its latency.
+struct Acc4 {
+  Vec a[4];
+  explicit Acc4(float init) : a{Vec(init), Vec(init), Vec(init), Vec(init)} {}
+  float sum() const { return at::vec::vec_reduce_all<float>(std::plus<Vec>(), (a[0] + a[1]) + (a[2] + a[3])); }
+  float max() const {
+    auto mx = [](Vec& x, Vec& y) { return at::vec::maximum(x, y); };
+    return at::vec::vec_reduce_all<float>(mx, at::vec::maximum(at::vec::maximum(a[0], a[1]),
+                                                                at::vec::maximum(a[2], a[3])));
+  }
+};
+
+// Returns the sum of what it wrote.
+float exp_shifted(float* x, int64_t n, float c, float scale_after, float at_floor) {
+  const Vec vc(c), vfloor(kExpFloor), vat(at_floor), vs(scale_after);
+  auto one = [&](Vec v) { return (at::vec::maximum(v - vc, vfloor).exp() - vat) * vs; };
+  Acc4 acc(0.0f);
+  int64_t j = 0;
+  for (int64_t u = 0; j + Vec::size() <= n; j += Vec::size(), u = (u + 1) & 3) {
+    const Vec e = one(Vec::loadu(x + j));
+    e.store(x + j);
+    acc.a[u] = acc.a[u] + e;
+  }
+  if (j < n) {
+    const Vec e = one(Vec::loadu(x + j, n - j));
+    e.store(x + j, n - j);
+    acc.a[0] = acc.a[0] + Vec::set(Vec(0.0f), e, n - j);
+  }
+  return acc.sum();
+}
+
+// max of x[0, n): -inf for none
+float row_max(const float* x, int64_t n) {
+  Acc4 acc(kNegInf);
+  int64_t j = 0;
+  for (int64_t u = 0; j + Vec::size() <= n; j += Vec::size(), u = (u + 1) & 3)
+    acc.a[u] = at::vec::maximum(acc.a[u], Vec::loadu(x + j));
+  if (j < n) acc.a[0] = at::vec::maximum(acc.a[0], Vec::set(Vec(kNegInf), Vec::loadu(x + j, n - j), n - j));
+  return acc.max();
+}
+
+// sum of x[j] y[j] over [0, n)
+float dot(const float* x, const float* y, int64_t n) {
+  Acc4 acc(0.0f);
+  int64_t j = 0;
+  for (int64_t u = 0; j + Vec::size() <= n; j += Vec::size(), u = (u + 1) & 3)
+    acc.a[u] = at::vec::fmadd(Vec::loadu(x + j), Vec::loadu(y + j), acc.a[u]);
+  if (j < n) acc.a[0] = at::vec::fmadd(Vec::loadu(x + j, n - j), Vec::loadu(y + j, n - j), acc.a[0]);
+  return acc.sum();
+}
+
+struct Aligned {
+  std::vector<float> data;
+  float* get(int64_t n) {
+    if ((int64_t)data.size() < n + 16) data.resize(n + 16);
+    auto p = reinterpret_cast<uintptr_t>(data.data());
+    return data.data() + ((64 - p % 64) % 64) / sizeof(float);
+  }
+};
+
+// A row stride for n floats: a whole number of 64-byte lines, never a multiple of 1 KiB. Rows 4 KiB
+// apart share a cache set (and look alike to the store forwarding), which halves the products' speed
+// at power-of-two lengths.
+inline int64_t padded(int64_t n) {
+  const int64_t r = (n + 15) / 16 * 16;
+  return r % 256 == 0 ? r + 16 : r;
+}
+
+// x [T, H, W] as [H, W, ld(T)] (each head's rows transposed, rows padded) or [H, T, W] (each head's rows together).
+at::Tensor heads_transposed(const at::Tensor& x) {
+  at::Tensor out = at::empty({x.size(1), x.size(2), padded(x.size(0))}, x.options());
+  out.narrow(2, 0, x.size(0)).copy_(x.permute({1, 2, 0}));
+  return out;
+}
+
+at::Tensor heads_together(const at::Tensor& x) { return x.permute({1, 0, 2}).contiguous(); }
+
+// body(first, n, step) on each of the threads PyTorch uses for an op (at::get_num_threads()): thread i
+// takes tasks i, i + T, ... of [0, n), so that tasks of growing cost (causal row blocks) spread evenly.
+// OpenMP directly, not at::parallel_for, whose OpenMP loop lives in this file's headers: it follows
+// torch's thread count only when the two share one OpenMP runtime.
+template <typename F>
+void parallel_tasks(int64_t n, const F& body) {
+  if (n <= 0) return;
+  const int64_t T = at::in_parallel_region() ? 1 : std::min<int64_t>(n, at::get_num_threads());
+#ifdef _OPENMP
+  if (T > 1) {
+    std::exception_ptr error;
+#pragma omp parallel num_threads((int)T)
+    {
+      try {
+        body(omp_get_thread_num(), n, omp_get_num_threads());
+      } catch (...) {
+#pragma omp critical
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
+#endif
+  body(0, n, 1);
+}
+
+struct Shape {
+  int64_t Tq, Tk, HQ, HKV, G, D, Dv, N;
+};
+
+// A tensor as the kernel reads or writes it: on the CPU, contiguous, of this dtype and these sizes.
+void expect(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef sizes) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == sizes,
+              "sinkattn_cpu: ", name, " must be a contiguous CPU ", dtype, " tensor of shape ", sizes, ", got ",
+              t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// The call's sizes, after checking q, k, v, the sequence bounds and the tensors of shape [HQ, Tq].
+Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+               const at::Tensor& cu_k, const at::Tensor& bounds, std::initializer_list<const at::Tensor*> per_row) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && cu_q.dim() == 1 && cu_q.numel() >= 1,
+              "sinkattn_cpu: q, k, v must be [T, H, D] and cu_q [N + 1]");
+  Shape s{q.size(0), k.size(0), q.size(1), k.size(1), 0, q.size(2), v.size(2), cu_q.numel() - 1};
+  TORCH_CHECK(s.HKV > 0 && s.HQ % s.HKV == 0, "sinkattn_cpu: q's heads must be a multiple of k's");
+  s.G = s.HQ / s.HKV;
+  expect(q, "q", at::kFloat, {s.Tq, s.HQ, s.D});
+  expect(k, "k", at::kFloat, {s.Tk, s.HKV, s.D});
+  expect(v, "v", at::kFloat, {s.Tk, s.HKV, s.Dv});
+  expect(cu_q, "cu_q", at::kLong, {s.N + 1});
+  expect(cu_k, "cu_k", at::kLong, {s.N + 1});
+  expect(bounds, "bounds", at::kLong, {s.Tq, 2});
+  for (const at::Tensor* t : per_row) expect(*t, "a per-row tensor", at::kFloat, {s.HQ, s.Tq});
+  const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>();
+  TORCH_CHECK(cq[0] == 0 && ck[0] == 0 && cq[s.N] == s.Tq && ck[s.N] == s.Tk,
+              "sinkattn_cpu: cu_q and cu_k must run from 0 to Tq and Tk");
+  const int64_t* b = bounds.data_ptr<int64_t>();
+  for (int64_t n = 0; n < s.N; ++n) {
+    TORCH_CHECK(cq[n] <= cq[n + 1] && ck[n] <= ck[n + 1], "sinkattn_cpu: cu_q and cu_k must not decrease");
+    for (int64_t t = cq[n]; t < cq[n + 1]; ++t)
+      TORCH_CHECK(b[2 * t + 1] <= b[2 * t] || (b[2 * t] >= 0 && b[2 * t + 1] <= ck[n + 1] - ck[n]),
+                  "sinkattn_cpu: bounds must lie within their sequence's keys");
+  }
+  return s;
+}
+
+// One row block: positions [r0, r1) of a sequence, its keys [k0, k1) (the union of its rows' ranges).
+struct Block {
+  int64_t r0, r1, k0, k1;
+};
+
+std::vector<Block> row_blocks(const int64_t* bounds, int64_t tq0, int64_t Lq, int64_t R) {
+  std::vector<Block> blocks;
+  for (int64_t r0 = 0; r0 < Lq; r0 += R) {
+    const int64_t r1 = std::min(Lq, r0 + R);
+    int64_t k0 = std::numeric_limits<int64_t>::max(), k1 = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t lo = bounds[2 * (tq0 + r)], hi = bounds[2 * (tq0 + r) + 1];
+      if (hi > lo) {
+        k0 = std::min(k0, lo);
+        k1 = std::max(k1, hi);
+      }
+    }
+    if (k1 <= k0) k0 = k1 = 0;
+    blocks.push_back({r0, r1, k0, k1});
+  }
+  return blocks;
+}
+
+// The rows of a block stacked by head: row i = g * Rb + r is head h * G + g at position r0 + r.
+struct Rows {
+  int64_t Rb, M;
+  Rows(const Block& b, int64_t G) : Rb(b.r1 - b.r0), M(G * (b.r1 - b.r0)) {}
+};
+
+// x [T, H, W] rows of the block's heads into a dense [M, W] buffer, times scale.
+void gather_rows(const float* x, int64_t H, int64_t W, int64_t h0, int64_t G, int64_t t0, int64_t Rb, float scale,
+                 float* out) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t r = 0; r < Rb; ++r) {
+      const float* src = x + ((t0 + r) * H + h0 + g) * W;
+      float* dst = out + (g * Rb + r) * W;
+      if (scale == 1.0f) std::memcpy(dst, src, W * sizeof(float));
+      else for (int64_t d = 0; d < W; ++d) dst[d] = src[d] * scale;
+    }
+}
+
+// The visible columns [a, b) of a chunk [c0, c1) for a row of key range [lo, hi).
+inline void visible_cols(int64_t lo, int64_t hi, int64_t c0, int64_t c1, int64_t& a, int64_t& b) {
+  a = std::max(lo, c0) - c0;
+  b = std::min(std::max(hi, lo), c1) - c0;
+  if (b < a) b = a;
+}
+
+void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                  const at::Tensor& cu_k, const at::Tensor& bounds_t, double row_scale, double score_scale,
+                  int64_t BM, int64_t BN, at::Tensor& o, at::Tensor& m_out, at::Tensor& log_l_out) {
+  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_out, &log_l_out});
+  expect(o, "o", at::kFloat, {S.Tq, S.HQ, S.Dv});
+  TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
+  const at::Tensor kt = heads_transposed(k), vh = heads_together(v);     // [HKV, D, ldt], [HKV, Tk, Dv]
+  const int64_t ldt = kt.size(2), lds = padded(BN);
+  const float *Q = q.data_ptr<float>(), *VH = vh.data_ptr<float>(), *KT = kt.data_ptr<float>();
+  const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
+  float *O = o.data_ptr<float>(), *Mo = m_out.data_ptr<float>(), *Lo = log_l_out.data_ptr<float>();
+  const int64_t R = std::max<int64_t>(1, BM / S.G);
+  const float at_floor = exp_floor_value();
+  const float post = (float)score_scale;
+
+  struct Task { int64_t n, h; Block b; };
+  std::vector<Task> tasks;
+  for (int64_t n = 0; n < S.N; ++n)
+    for (const Block& b : row_blocks(bounds, cq[n], cq[n + 1] - cq[n], R))
+      for (int64_t h = 0; h < S.HKV; ++h) tasks.push_back({n, h, b});
+
+  parallel_tasks((int64_t)tasks.size(), [&](int64_t first, int64_t end, int64_t step) {
+    Aligned qbuf, sbuf, accbuf;
+    std::vector<float> mx, c, l;
+    for (int64_t t = first; t < end; t += step) {
+      const Task& task = tasks[t];
+      const Block& b = task.b;
+      const Rows rows(b, S.G);
+      const int64_t tq0 = cq[task.n], tk0 = ck[task.n], M = rows.M;
+      float* qs = qbuf.get(M * S.D);
+      float* acc = accbuf.get(M * S.Dv);
+      float* s = sbuf.get(M * lds);
+      gather_rows(Q, S.HQ, S.D, task.h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
+      mx.assign(M, kNegInf);
+      c.assign(M, 0.0f);
+      l.assign(M, 0.0f);
+      std::fill(acc, acc + M * S.Dv, 0.0f);
+      const float* KTh = KT + task.h * S.D * ldt + tk0;
+      const float* Vh = VH + (task.h * S.Tk + tk0) * S.Dv;
+      for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN) {
+        const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
+        mm(M, C, S.D, qs, S.D, KTh + c0, ldt, s, lds, false);
+        for (int64_t i = 0; i < M; ++i) {
+          const int64_t r = i % rows.Rb, tok = tq0 + b.r0 + r;
+          int64_t a, e;
+          visible_cols(bounds[2 * tok], bounds[2 * tok + 1], c0, c1, a, e);
+          float* si = s + i * lds;
+          if (post != 1.0f) for (int64_t j = a; j < e; ++j) si[j] *= post;
+          const float m_new = std::max(mx[i], row_max(si + a, e - a));
+          const float c_new = std::isfinite(m_new) ? m_new : 0.0f;
+          const float alpha = mx[i] == kNegInf ? 0.0f : std::exp(c[i] - c_new);
+          std::fill(si, si + a, 0.0f);
+          std::fill(si + e, si + C, 0.0f);
+          l[i] = l[i] * alpha + exp_shifted(si + a, e - a, c_new, 1.0f, at_floor);
+          if (alpha != 1.0f) {
+            float* ai = acc + i * S.Dv;
+            for (int64_t d = 0; d < S.Dv; ++d) ai[d] *= alpha;
+          }
+          mx[i] = m_new;
+          c[i] = c_new;
+        }
+        mm(M, S.Dv, C, s, lds, Vh + c0 * S.Dv, S.Dv, acc, S.Dv, true);
+      }
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r, hq = task.h * S.G + g;
+        const float inv = 1.0f / std::max(l[i], 1.0f);
+        float* oi = O + (tok * S.HQ + hq) * S.Dv;
+        const float* ai = acc + i * S.Dv;
+        for (int64_t d = 0; d < S.Dv; ++d) oi[d] = ai[d] * inv;
+        Mo[hq * S.Tq + tok] = c[i];
+        Lo[hq * S.Tq + tok] = std::log(l[i]);
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+}
+
+struct Optional {
+  const float* p;
+  Optional(const at::Tensor& t) : p(t.numel() ? t.data_ptr<float>() : nullptr) {}
+};
+
+void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& m_t, const at::Tensor& inv_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
+                   const at::Tensor& sink_t, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                   const at::Tensor& bounds_t, double row_scale, double score_scale, double softmax_scale,
+                   bool exact, int64_t BM, int64_t BN, int64_t kept_elements, at::Tensor& dq, at::Tensor& dk,
+                   at::Tensor& dv) {
+  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_t, &inv_l_t, &delta_t});
+  expect(dout, "dout", at::kFloat, {S.Tq, S.HQ, S.Dv});
+  expect(dq, "dq", at::kFloat, q.sizes());
+  expect(dk, "dk", at::kFloat, k.sizes());
+  expect(dv, "dv", at::kFloat, v.sizes());
+  TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
+  if (dlse_t.numel()) expect(dlse_t, "dlse", at::kFloat, {S.HQ, S.Tq});
+  if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
+  const at::Tensor kt = heads_transposed(k), vt = heads_transposed(v), kh = heads_together(k);  // [HKV, D, ldt], ...
+  const int64_t ldt = kt.size(2);
+  const float *Q = q.data_ptr<float>(), *KH = kh.data_ptr<float>(), *KT = kt.data_ptr<float>(), *VT = vt.data_ptr<float>();
+  const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *IL = inv_l_t.data_ptr<float>();
+  const float *DL = Optional(dlse_t).p, *SM = Optional(sink_t).p;
+  float* DELTA = delta_t.data_ptr<float>();
+  const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
+  float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
+  const int64_t R = std::max<int64_t>(1, BM / S.G);
+  const float at_floor = exp_floor_value();
+  const float post = (float)score_scale;
+
+  parallel_tasks(S.N * S.HKV, [&](int64_t first, int64_t end, int64_t step) {
+    Aligned qbuf, dobuf, qtbuf, dotbuf, pbuf, dpbuf, dqbuf, dkbuf, dvbuf;
+    std::vector<float> mrow, ilrow, drow;
+    std::vector<double> ds_sum;
+    std::vector<float> best;
+    std::vector<int64_t> best_key;
+    for (int64_t task = first; task < end; task += step) {
+      const int64_t n = task / S.HKV, h = task % S.HKV;
+      const int64_t tq0 = cq[n], tk0 = ck[n], Lq = cq[n + 1] - tq0, Lk = ck[n + 1] - tk0;
+      const int64_t lda = padded(Lk);       // row stride of the dK^T, dV^T accumulators
+      float* dKT = dkbuf.get(lda * S.D);     // [D, Lk]
+      float* dVT = dvbuf.get(lda * S.Dv);    // [Dv, Lk]
+      std::fill(dKT, dKT + lda * S.D, 0.0f);
+      std::fill(dVT, dVT + lda * S.Dv, 0.0f);
+      const float* Kh = KH + (h * S.Tk + tk0) * S.D;
+      const float* KTh = KT + h * S.D * ldt + tk0;
+      const float* VTh = VT + h * S.Dv * ldt + tk0;
+      const int64_t ldk = S.D;
+      for (const Block& b : row_blocks(bounds, tq0, Lq, R)) {
+        const Rows rows(b, S.G);
+        const int64_t M = rows.M, keys = b.k1 - b.k0;
+        const bool kept = exact && M * keys <= kept_elements;
+        const int64_t width = padded(kept ? keys : BN);   // row stride of the P / dP buffers
+        float* qs = qbuf.get(M * S.D);
+        float* dos = dobuf.get(M * S.Dv);
+        float* dqs = dqbuf.get(M * S.D);
+        float* pb = pbuf.get(M * width);
+        float* dpb = dpbuf.get(M * width);
+        gather_rows(Q, S.HQ, S.D, h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
+        gather_rows(DO, S.HQ, S.Dv, h * S.G, S.G, tq0 + b.r0, rows.Rb, 1.0f, dos);
+        float* qsT = qtbuf.get(M * S.D);
+        float* dosT = dotbuf.get(M * S.Dv);
+        for (int64_t i = 0; i < M; ++i) {
+          for (int64_t d = 0; d < S.D; ++d) qsT[d * M + i] = qs[i * S.D + d];
+          for (int64_t d = 0; d < S.Dv; ++d) dosT[d * M + i] = dos[i * S.Dv + d];
+        }
+        std::fill(dqs, dqs + M * S.D, 0.0f);
+        mrow.resize(M);
+        ilrow.resize(M);
+        drow.resize(M);
+        bool dominant_possible = false;
+        for (int64_t i = 0; i < M; ++i) {
+          const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
+          mrow[i] = Mst[at];
+          ilrow[i] = IL[at];
+          drow[i] = DELTA[at];
+          dominant_possible = dominant_possible || ilrow[i] >= kDominantFrom;
+        }
+        const bool dominant = exact && dominant_possible;
+        // P = e^(S - m) / l and dP = dO V^T of chunk [c0, c1) into p / dp (row stride ld)
+        auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp, int64_t ld) {
+          const int64_t C = c1 - c0;
+          mm(M, C, S.D, qs, S.D, KTh + c0, ldt, p, ld, false);
+          mm(M, C, S.Dv, dos, S.Dv, VTh + c0, ldt, dp, ld, false);
+          for (int64_t i = 0; i < M; ++i) {
+            const int64_t tok = tq0 + b.r0 + i % rows.Rb;
+            int64_t a, e;
+            visible_cols(bounds[2 * tok], bounds[2 * tok + 1], c0, c1, a, e);
+            float* pi = p + i * ld;
+            if (post != 1.0f) for (int64_t j = a; j < e; ++j) pi[j] *= post;
+            std::fill(pi, pi + a, 0.0f);
+            std::fill(pi + e, pi + C, 0.0f);
+            exp_shifted(pi + a, e - a, mrow[i], ilrow[i], at_floor);
+          }
+        };
+        if (dominant) {
+          ds_sum.assign(M, 0.0);
+          best.assign(M, -1.0f);
+          best_key.assign(M, 0);
+        }
+        auto see = [&](const float* p, int64_t ld, int64_t c0, int64_t C) {
+          for (int64_t i = 0; i < M; ++i) {
+            if (!(ilrow[i] >= kDominantFrom)) continue;     // P <= 1/l: no key of this row can dominate
+            const float* pi = p + i * ld;
+            for (int64_t j = 0; j < C; ++j)
+              if (pi[j] > best[i]) { best[i] = pi[j]; best_key[i] = c0 + j; }
+          }
+        };
+        if (exact) {   // Delta from the products themselves: sum_j P dP - dlse
+          std::vector<float> sums(M, 0.0f);
+          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN) {
+            const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
+            float* p = kept ? pb + (c0 - b.k0) : pb;
+            float* dp = kept ? dpb + (c0 - b.k0) : dpb;
+            probabilities(c0, c1, p, dp, width);
+            for (int64_t i = 0; i < M; ++i) sums[i] += dot(p + i * width, dp + i * width, C);
+            if (dominant) see(p, width, c0, C);
+          }
+          for (int64_t i = 0; i < M; ++i) {
+            const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
+            drow[i] = DL ? sums[i] - DL[at] : sums[i];
+            DELTA[at] = drow[i];
+          }
+        }
+        auto make_ds = [&](const float* p, float* dp, int64_t ld, int64_t C) {   // dS = P (dP - Delta) over dp
+          for (int64_t i = 0; i < M; ++i) {
+            const float* pi = p + i * ld;
+            float* di = dp + i * ld;
+            const Vec vd(drow[i]);
+            int64_t j = 0;
+            for (; j + Vec::size() <= C; j += Vec::size())
+              ((Vec::loadu(di + j) - vd) * Vec::loadu(pi + j)).store(di + j);
+            if (j < C) ((Vec::loadu(di + j, C - j) - vd) * Vec::loadu(pi + j, C - j)).store(di + j, C - j);
+            if (dominant && ilrow[i] >= kDominantFrom) {
+              double acc = 0.0;
+              for (int64_t jj = 0; jj < C; ++jj) acc += (double)di[jj];
+              ds_sum[i] += acc;
+            }
+          }
+        };
+        auto correction = [&](std::vector<float>& fix) {
+          fix.assign(M, 0.0f);
+          for (int64_t i = 0; i < M; ++i) {
+            if (!(best[i] >= kDominantFrom)) continue;
+            const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
+            double target = SM ? (double)SM[at] * (double)drow[i] : 0.0;
+            if (DL) target += (double)DL[at];
+            fix[i] = (float)(target - ds_sum[i]);
+          }
+        };
+        auto products = [&](const float* p, const float* ds, int64_t ld, int64_t c0, int64_t C) {
+          mm(M, S.D, C, ds, ld, Kh + c0 * ldk, ldk, dqs, S.D, true);
+          mm(S.D, C, M, qsT, M, ds, ld, dKT + c0, lda, true);       // dK^T [D, Lk] += Qs^T dS
+          mm(S.Dv, C, M, dosT, M, p, ld, dVT + c0, lda, true);      // dV^T [Dv, Lk] += dO^T P
+        };
+        std::vector<float> fix;
+        if (kept) {
+          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN)
+            make_ds(pb + (c0 - b.k0), dpb + (c0 - b.k0), width, std::min(b.k1, c0 + BN) - c0);
+          if (dominant) {
+            correction(fix);
+            for (int64_t i = 0; i < M; ++i) dpb[i * width + (best_key[i] - b.k0)] += fix[i];
+          }
+          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN)
+            products(pb + (c0 - b.k0), dpb + (c0 - b.k0), width, c0, std::min(b.k1, c0 + BN) - c0);
+        } else {
+          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN) {
+            const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
+            probabilities(c0, c1, pb, dpb, width);
+            make_ds(pb, dpb, width, C);
+            products(pb, dpb, width, c0, C);
+          }
+          if (dominant) {
+            correction(fix);
+            for (int64_t i = 0; i < M; ++i) {
+              if (fix[i] == 0.0f) continue;
+              const float* key = Kh + best_key[i] * ldk;
+              float* dqi = dqs + i * S.D;
+              const float* qi = qs + i * S.D;
+              for (int64_t d = 0; d < S.D; ++d) dqi[d] += fix[i] * key[d];
+              for (int64_t d = 0; d < S.D; ++d) dKT[d * lda + best_key[i]] += fix[i] * qi[d];
+            }
+          }
+        }
+        for (int64_t i = 0; i < M; ++i) {
+          const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r;
+          float* out = DQ + (tok * S.HQ + h * S.G + g) * S.D;
+          const float* src = dqs + i * S.D;
+          for (int64_t d = 0; d < S.D; ++d) out[d] = src[d] * (float)softmax_scale;
+        }
+      }
+      for (int64_t j = 0; j < Lk; ++j) {
+        float* dkj = DK + ((tk0 + j) * S.HKV + h) * S.D;
+        float* dvj = DV + ((tk0 + j) * S.HKV + h) * S.Dv;
+        for (int64_t d = 0; d < S.D; ++d) dkj[d] = dKT[d * lda + j] * post;
+        for (int64_t d = 0; d < S.Dv; ++d) dvj[d] = dVT[d * lda + j];
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+}
+
+void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                const at::Tensor& cu_k, const at::Tensor& bounds, double row_scale, double score_scale, int64_t BM,
+                int64_t BN, at::Tensor o, at::Tensor m, at::Tensor log_l) {
+  forward_impl(q, k, v, cu_q, cu_k, bounds, row_scale, score_scale, BM, BN, o, m, log_l);
+}
+
+void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& m, const at::Tensor& inv_l, at::Tensor delta, const at::Tensor& dlse,
+                 const at::Tensor& sink_mass, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                 const at::Tensor& bounds, double row_scale, double score_scale, double softmax_scale, bool exact,
+                 int64_t BM, int64_t BN, int64_t kept_elements, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
+  backward_impl(dout, q, k, v, m, inv_l, delta, dlse, sink_mass, cu_q, cu_k, bounds, row_scale, score_scale,
+                softmax_scale, exact, BM, BN, kept_elements, dq, dk, dv);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sinkattn_cpu, lib) {
+  lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
+          "float score_scale, int BM, int BN, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
+  lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor inv_l, Tensor(a!) delta, "
+          "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
+          "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
+          "Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sinkattn_cpu, CPU, lib) {
+  lib.impl("forward", &forward_op);
+  lib.impl("backward", &backward_op);
+}

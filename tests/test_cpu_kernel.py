@@ -1,0 +1,222 @@
+"""The CPU backend's two ways to its tiles: the compiled kernel (``cpu_native``, built on first use) and
+the PyTorch-op tiles (``cpu_tiles``: no compiler, ``SINKATTN_CPU_KERNEL=python``, inputs holding NaN or
+inf). Both meet the standard (Gate A against the float64 golden, NaN-poisoned buffers) on the same
+cases; ``SINKATTN_CPU_KERNEL`` chooses between them and a build that cannot happen is reported, never
+silently wrong."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sinkattn
+from sinkattn.backends import cpu_native, cpu_small, cpu_tiles
+from sinkattn.testing import cases, verify
+from conftest import describe
+
+COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
+
+
+
+def C(level, HQ, G, q_lens, k_lens=None, **kw):
+    return cases.Case(level, HQ, G, q_lens, q_lens if k_lens is None else k_lens, **kw)
+
+
+KERNEL_CASES = [
+    C("L2", 4, 2, (130, 0, 257), (130, 5, 300), D=64, causal=True),                      # empty rows, Lq < Lk
+    C("L2", 6, 3, (200,), (90,), D=48, causal=True, lse_grad=True),                      # Lq > Lk: rows see nothing
+    C("L2", 8, 8, (150, 40), D=32, window_size=(63, 0), dtype=torch.bfloat16),           # MQA, sliding window
+    C("L2", 4, 2, (170,), (220,), D=40, causal=False, window_size=(7, 20)),              # two-sided window
+    C("L2", 4, 1, (140,), D=64, Dv=24, causal=True),                                      # Dv != D
+    C("L2", 2, 2, (129, 31), D=100, causal=False, dtype=torch.float32, score_bound=300.0),  # sharp scores
+    C("L2", 4, 2, (160,), D=16, causal=True, sink_value=30.0),                            # the sink takes it all
+    C("L2", 4, 2, (160,), D=16, causal=True, sink_value=-10.0, dtype=torch.float32),
+    C("L2", 2, 1, (100,), D=72, causal=True, sink_scale=None),                            # no sinks
+    C("L2", 4, 4, (90, 200), D=24, causal=False, window_size=(-1, 9), zero_do=True),
+    cases.random_packed(11, max_len=200),
+    cases.random_packed(12, max_len=200, dtype=torch.bfloat16),
+]
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """Set ``SINKATTN_CPU_KERNEL`` (and other variables) for the test, with ``cpu_native`` loading afresh."""
+    monkeypatch.setattr(cpu_native, "_state", {})
+
+    def choose(value, **env):
+        monkeypatch.setenv("SINKATTN_CPU_KERNEL", value)
+        for name, setting in env.items():
+            monkeypatch.setenv(name, setting)
+    return choose
+
+
+def _recorded(calls: list, real, name: str):
+    def recorded(*a, **kw):
+        calls.append(name)
+        return real(*a, **kw)
+    return recorded
+
+
+def _tile_calls(monkeypatch) -> list:
+    """The PyTorch-op paths' calls from now on, by name (``cpu_tiles.forward``, ...)."""
+    calls = []
+    for module in (cpu_tiles, cpu_small):
+        for name in ("forward", "backward"):
+            monkeypatch.setattr(module, name, _recorded(calls, getattr(module, name), f"{module.__name__}.{name}"))
+    return calls
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler: the CPU backend runs its PyTorch-op tiles")
+def test_the_kernel_is_built_and_takes_training_calls(kernel, monkeypatch):
+    kernel("auto")
+    assert cpu_native.available()
+    assert cpu_native.describe().startswith(f"compiled kernel ({torch.backends.cpu.get_cpu_capability()}, ")
+    assert cpu_native.library_path().exists()
+    calls = _tile_calls(monkeypatch)
+    result = verify.run_case(KERNEL_CASES[0], "cpu")
+    assert result.passed, describe(result)
+    assert calls == []
+
+
+@pytest.mark.parametrize("path", ["compiled", "python"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in KERNEL_CASES])
+def test_both_paths_meet_the_standard(case, path, kernel, monkeypatch):
+    if path == "compiled" and not COMPILER:
+        pytest.skip("no C++ compiler")
+    kernel(path)
+    calls = _tile_calls(monkeypatch)
+    result = verify.run_case(case, "cpu", repeats=2)
+    assert result.passed, describe(result)
+    assert (calls == []) == (path == "compiled")
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, kernel):
+    """Each task (a sequence's key-value head, or one row block of it) is one thread's, in a fixed order."""
+    kernel("compiled")
+    case = cases.random_packed(5, max_len=250, dtype=torch.float32)
+    x = case.make()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = verify.outputs(case, x, "cpu")
+        torch.set_num_threads(threads)
+        other = verify.outputs(case, x, "cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, other))
+
+
+def _call():
+    q = torch.randn(1, 40, 4, 16, requires_grad=True)
+    k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+    sinkattn.sink_attn_func(q, k, v, sinks=torch.zeros(4), causal=True).sum().backward()
+    return q.grad
+
+
+def test_an_unknown_mode_is_refused(kernel):
+    kernel("fast")
+    with pytest.raises(ValueError, match="SINKATTN_CPU_KERNEL='fast': expected one of auto, compiled, python"):
+        _call()
+
+
+_CHILD = """
+import json, warnings, torch, sinkattn
+from sinkattn.backends import cpu_native
+warnings.simplefilter("always")
+def call():
+    q = torch.randn(1, 40, 4, 16, requires_grad=True)
+    k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+    sinkattn.sink_attn_func(q, k, v, sinks=torch.zeros(4), causal=True).sum().backward()
+    return bool(q.grad.isfinite().all())
+with warnings.catch_warnings(record=True) as caught:
+    try:
+        finite = [call(), call()]
+    except RuntimeError as error:
+        finite = str(error)
+print(json.dumps({"finite": finite, "path": cpu_native.describe(),
+                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+"""
+
+
+def _fresh_process(tmp_path, mode, compiler):
+    """A first call in a new process (the kernel is loaded once per process) with this mode and ``CXX``."""
+    env = dict(os.environ, SINKATTN_CPU_KERNEL=mode, CXX=str(compiler), SINKATTN_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_mode_without_a_compiler_raises(tmp_path):
+    got = _fresh_process(tmp_path, "compiled", tmp_path / "no-such-compiler")
+    assert got["finite"].startswith("SINKATTN_CPU_KERNEL=compiled, but the compiled CPU kernel is not available: "
+                                    "no C++ compiler"), got
+
+
+def test_auto_mode_without_a_compiler_runs_the_tiles_quietly(tmp_path):
+    got = _fresh_process(tmp_path, "auto", tmp_path / "no-such-compiler")
+    assert got["finite"] == [True, True] and got["warnings"] == [], got
+    assert got["path"].startswith("PyTorch-op tiles (compiled kernel unavailable: no C++ compiler"), got
+
+
+def test_auto_mode_with_a_failing_build_warns_once_and_runs_the_tiles(tmp_path):
+    failing = tmp_path / "broken-c++"
+    failing.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    got = _fresh_process(tmp_path, "auto", failing)
+    assert got["finite"] == [True, True], got
+    assert len(got["warnings"]) == 1 and "the build failed" in got["warnings"][0], got
+    log = next((tmp_path / "cache").glob("*.log")).read_text()
+    assert "this compiler is broken" in log and str(cpu_native.SOURCE) in log
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+def test_a_fresh_process_builds_into_its_cache_and_the_next_one_loads_it(tmp_path):
+    """A user's first call compiles (into ``SINKATTN_CACHE``); a second process finds the library there."""
+    child = ("import sinkattn, torch\n"
+             "from sinkattn.backends import cpu_native\n"
+             "q = torch.randn(1, 8, 2, 8, requires_grad=True)\n"
+             "sinkattn.sink_attn_func(q, q.detach(), q.detach(), causal=True).sum().backward()\n"
+             "print(cpu_native.describe())\n")
+    env = dict(os.environ, SINKATTN_CACHE=str(tmp_path / "cache"), SINKATTN_CPU_KERNEL="compiled")
+    built = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.startswith("compiled kernel ("), run.stdout
+        built.append({p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()})
+    assert len(built[0]) == 1 and built[1] == built[0]      # one library, not built again
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with(dtype, kernel):
+    kernel("compiled")
+    g = torch.Generator().manual_seed(3)
+    HQ, HKV, D = 6, 2, 40
+    lens = [37, 300, 0, 129]
+
+    def run(chosen):
+        cu = torch.tensor([0, *torch.tensor([lens[i] for i in chosen]).cumsum(0).tolist()], dtype=torch.int32)
+        rows = torch.cat([torch.arange(sum(lens[:i]), sum(lens[:i + 1])) for i in chosen])
+        q, k, v = (full[rows].detach().requires_grad_() for full in (Q, K, V))
+        out, lse = sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, int(cu.diff().max()), int(cu.diff().max()),
+                                                  sinks=sinks, causal=True, window_size=(100, 0), return_lse=True)
+        torch.autograd.backward([out, lse], [dO[rows], dLSE[:, rows]])
+        return rows, [out.detach(), lse.detach().T, q.grad, k.grad, v.grad]
+
+    T = sum(lens)
+    Q = torch.randn(T, HQ, D, generator=g).to(dtype)
+    K, V = (torch.randn(T, HKV, D, generator=g).to(dtype) for _ in range(2))
+    dO, dLSE = torch.randn(T, HQ, D, generator=g).to(dtype), torch.randn(HQ, T, generator=g)
+    sinks = torch.randn(HQ, generator=g)
+    rows_all, packed = run([0, 1, 2, 3])
+    for alone in ([1], [3], [0, 3]):
+        rows, got = run(alone)
+        where = torch.searchsorted(rows_all, rows)
+        assert all(torch.equal(a, b[where]) for a, b in zip(got, packed)), alone
