@@ -137,15 +137,25 @@ def test_other_families_match_one_process(families_launched, family, run):
     """MiMo-V2-Flash (Dv != D, one KV head, sinks on the sliding layer only), Granite-SWA and
     GraniteMoE-SWA (attention_multiplier scale), Flint, and the OpenAI privacy filter (bidirectional
     window, token classifier: unshifted labels, loss from the logits over the global labelled count):
-    loss, logits and every gradient within 1e-5 of one process. (DeepSeek-V4 matches too but for its
-    hyper-connection head scalars, whose fp32 gradients move by up to 1e-3 with the summation order
-    alone: docs/hf.md.)"""
-    model = hf_cp.model(NAME, family)
-    batch = hf_cp.family_batch(family)
-    out = model(**batch)
-    loss = hf_cp.family_loss(family, out, batch["labels"], int((batch["labels"] != -100).sum()))
-    loss.backward()
-    want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    loss, logits and every gradient within 1e-5 of one process, or, for a gradient that moves more than
+    that with the summation order alone, within three times what the cpu backend's other path (the
+    PyTorch-op tiles, ``SINKATTN_CPU_KERNEL=python``) moves it in one process (the privacy filter's
+    router bias: 4e-6 there). (DeepSeek-V4 matches too but for its hyper-connection head scalars, whose
+    fp32 gradients move by up to 1e-3 with the summation order alone: docs/hf.md.)"""
+    def one_process():
+        model = hf_cp.model(NAME, family)
+        batch = hf_cp.family_batch(family)
+        out = model(**batch)
+        loss = hf_cp.family_loss(family, out, batch["labels"], int((batch["labels"] != -100).sum()))
+        loss.backward()
+        return out, loss, batch, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    out, loss, batch, want = one_process()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SINKATTN_CPU_KERNEL", "python")
+        other = one_process()[3]
+    noise = {n: rel(other[n], g) for n, g in want.items()}
+    assert max(noise.values()) < 1e-5
     got = families_launched[0]["families"][(family, *run)]
     assert not isinstance(got, tuple), got
     assert all(torch.equal(res["families"][(family, *run)]["logits"], got["logits"]) for res in families_launched)
@@ -157,7 +167,7 @@ def test_other_families_match_one_process(families_launched, family, run):
     assert got["grads"].keys() == want.keys() and sinks and all(want[n].abs().min() > 0 for n in sinks)
     for name, g in want.items():
         err = rel(got["grads"][name], g)
-        assert err <= RTOL, f"grad {name} rel err {err:.2e}"
+        assert err <= max(RTOL, 3 * noise[name]), f"grad {name} rel err {err:.2e} (summation noise {noise[name]:.2e})"
 
 
 def test_unshifted_labels_stay_with_their_tokens(families_launched):
