@@ -125,14 +125,40 @@ inline int64_t padded(int64_t n) {
   return r % 256 == 0 ? r + 16 : r;
 }
 
-// x [T, H, W] as [H, W, ld(T)] (each head's rows transposed, rows padded) or [H, T, W] (each head's rows together).
-at::Tensor heads_transposed(const at::Tensor& x) {
-  at::Tensor out = at::empty({x.size(1), x.size(2), padded(x.size(0))}, x.options());
-  out.narrow(2, 0, x.size(0)).copy_(x.permute({1, 2, 0}));
+// Each sequence's keys in chunks of BN, the last one zero-padded: every product of the kernel then has
+// one of a few shapes and row strides. (oneDNN compiles a kernel per shape and stride, and PyTorch keeps
+// each one, about 200 KiB, for the life of the process: shapes that followed the lengths grew memory
+// with every new length.) Chunk c of sequence n is base[n] + c.
+struct Chunks {
+  std::vector<int64_t> base;
+  int64_t total = 0;
+  Chunks(const int64_t* ck, int64_t N, int64_t BN) : base(N + 1, 0) {
+    for (int64_t n = 0; n < N; ++n) base[n + 1] = base[n] + (ck[n + 1] - ck[n] + BN - 1) / BN;
+    total = base[N];
+  }
+};
+
+// x [T, H, W] in chunks: transposed [H, chunks, W, ld] (ld >= BN), or as rows [H, chunks, BN, W].
+at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Chunks& ch, int64_t BN, int64_t ld,
+                   bool transposed) {
+  const int64_t H = x.size(1), W = x.size(2);
+  at::Tensor out = transposed ? at::zeros({H, ch.total, W, ld}, x.options()) : at::zeros({H, ch.total, BN, W}, x.options());
+  const float* X = x.data_ptr<float>();
+  float* Y = out.data_ptr<float>();
+  const int64_t per_chunk = transposed ? W * ld : BN * W;
+  at::parallel_for(0, H * N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = t / N, n = t % N;
+      for (int64_t j = 0; j < ck[n + 1] - ck[n]; ++j) {
+        const float* src = X + ((ck[n] + j) * H + h) * W;
+        float* chunk = Y + (h * ch.total + ch.base[n] + j / BN) * per_chunk;
+        if (transposed) for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % BN] = src[d];
+        else std::memcpy(chunk + (j % BN) * W, src, W * sizeof(float));
+      }
+    }
+  });
   return out;
 }
-
-at::Tensor heads_together(const at::Tensor& x) { return x.permute({1, 0, 2}).contiguous(); }
 
 // body(first, n, step) on each of the threads PyTorch uses for an op (at::get_num_threads()): thread i
 // takes tasks i, i + T, ... of [0, n), so that tasks of growing cost (causal row blocks) spread evenly.
@@ -241,11 +267,11 @@ void gather_rows(const float* x, int64_t H, int64_t W, int64_t h0, int64_t G, in
     }
 }
 
-// The visible columns [a, b) of a chunk [c0, c1) for a row of key range [lo, hi).
+// The visible columns [a, b) of a chunk [c0, c1) for a row of key range [lo, hi): 0 <= a <= b <= c1 - c0.
 inline void visible_cols(int64_t lo, int64_t hi, int64_t c0, int64_t c1, int64_t& a, int64_t& b) {
-  a = std::max(lo, c0) - c0;
-  b = std::min(std::max(hi, lo), c1) - c0;
-  if (b < a) b = a;
+  const int64_t C = c1 - c0;
+  a = std::min(std::max<int64_t>(lo - c0, 0), C);
+  b = std::min(std::max(hi - c0, a), C);
 }
 
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
@@ -254,12 +280,13 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_out, &log_l_out});
   expect(o, "o", at::kFloat, {S.Tq, S.HQ, S.Dv});
   TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
-  const at::Tensor kt = heads_transposed(k), vh = heads_together(v);     // [HKV, D, ldt], [HKV, Tk, Dv]
-  const int64_t ldt = kt.size(2), lds = padded(BN);
-  const float *Q = q.data_ptr<float>(), *VH = vh.data_ptr<float>(), *KT = kt.data_ptr<float>();
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
+  const Chunks ch(ck, S.N, BN);
+  const int64_t lds = padded(BN);
+  const at::Tensor kt = chunked(k, ck, S.N, ch, BN, lds, true), vc = chunked(v, ck, S.N, ch, BN, 0, false);
+  const float *Q = q.data_ptr<float>(), *VC = vc.data_ptr<float>(), *KT = kt.data_ptr<float>();
   float *O = o.data_ptr<float>(), *Mo = m_out.data_ptr<float>(), *Lo = log_l_out.data_ptr<float>();
-  const int64_t R = std::max<int64_t>(1, BM / S.G);
+  const int64_t R = std::max<int64_t>(1, BM / S.G), Mp = S.G * R;   // rows of every block, the last one padded
   const float at_floor = exp_floor_value();
   const float post = (float)score_scale;
 
@@ -277,19 +304,20 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Block& b = task.b;
       const Rows rows(b, S.G);
       const int64_t tq0 = cq[task.n], tk0 = ck[task.n], M = rows.M;
-      float* qs = qbuf.get(M * S.D);
-      float* acc = accbuf.get(M * S.Dv);
-      float* s = sbuf.get(M * lds);
+      float* qs = qbuf.get(Mp * S.D);
+      float* acc = accbuf.get(Mp * S.Dv);
+      float* s = sbuf.get(Mp * lds);
       gather_rows(Q, S.HQ, S.D, task.h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
+      std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
       mx.assign(M, kNegInf);
       c.assign(M, 0.0f);
       l.assign(M, 0.0f);
-      std::fill(acc, acc + M * S.Dv, 0.0f);
-      const float* KTh = KT + task.h * S.D * ldt + tk0;
-      const float* Vh = VH + (task.h * S.Tk + tk0) * S.Dv;
-      for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN) {
+      std::fill(acc, acc + Mp * S.Dv, 0.0f);
+      const float* KTn = KT + (task.h * ch.total + ch.base[task.n]) * S.D * lds;    // the sequence's chunks
+      const float* Vn = VC + (task.h * ch.total + ch.base[task.n]) * BN * S.Dv;
+      for (int64_t c0 = b.k0 / BN * BN; c0 < b.k1; c0 += BN) {
         const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
-        mm(M, C, S.D, qs, S.D, KTh + c0, ldt, s, lds, false);
+        mm(Mp, BN, S.D, qs, S.D, KTn + c0 / BN * S.D * lds, lds, s, lds, false);
         for (int64_t i = 0; i < M; ++i) {
           const int64_t r = i % rows.Rb, tok = tq0 + b.r0 + r;
           int64_t a, e;
@@ -300,7 +328,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const float c_new = std::isfinite(m_new) ? m_new : 0.0f;
           const float alpha = mx[i] == kNegInf ? 0.0f : std::exp(c[i] - c_new);
           std::fill(si, si + a, 0.0f);
-          std::fill(si + e, si + C, 0.0f);
+          std::fill(si + e, si + BN, 0.0f);
           l[i] = l[i] * alpha + exp_shifted(si + a, e - a, c_new, 1.0f, at_floor);
           if (alpha != 1.0f) {
             float* ai = acc + i * S.Dv;
@@ -309,7 +337,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           mx[i] = m_new;
           c[i] = c_new;
         }
-        mm(M, S.Dv, C, s, lds, Vh + c0 * S.Dv, S.Dv, acc, S.Dv, true);
+        mm(Mp, S.Dv, BN, s, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
       }
       for (int64_t i = 0; i < M; ++i) {
         const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r, hq = task.h * S.G + g;
@@ -344,15 +372,18 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
   if (dlse_t.numel()) expect(dlse_t, "dlse", at::kFloat, {S.HQ, S.Tq});
   if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
-  const at::Tensor kt = heads_transposed(k), vt = heads_transposed(v), kh = heads_together(k);  // [HKV, D, ldt], ...
-  const int64_t ldt = kt.size(2);
-  const float *Q = q.data_ptr<float>(), *KH = kh.data_ptr<float>(), *KT = kt.data_ptr<float>(), *VT = vt.data_ptr<float>();
+  const int64_t *ck_ = cu_k.data_ptr<int64_t>();
+  const Chunks ch(ck_, S.N, BN);
+  const int64_t ldc = padded(BN);   // row stride of every [*, BN] tile
+  const at::Tensor kt = chunked(k, ck_, S.N, ch, BN, ldc, true), vt = chunked(v, ck_, S.N, ch, BN, ldc, true);
+  const at::Tensor kc = chunked(k, ck_, S.N, ch, BN, 0, false);
+  const float *Q = q.data_ptr<float>(), *KC = kc.data_ptr<float>(), *KT = kt.data_ptr<float>(), *VT = vt.data_ptr<float>();
   const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *IL = inv_l_t.data_ptr<float>();
   const float *DL = Optional(dlse_t).p, *SM = Optional(sink_t).p;
   float* DELTA = delta_t.data_ptr<float>();
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
   float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
-  const int64_t R = std::max<int64_t>(1, BM / S.G);
+  const int64_t R = std::max<int64_t>(1, BM / S.G), Mp = S.G * R;   // rows of every block, the last one padded
   const float at_floor = exp_floor_value();
   const float post = (float)score_scale;
 
@@ -365,34 +396,37 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     for (int64_t task = first; task < end; task += step) {
       const int64_t n = task / S.HKV, h = task % S.HKV;
       const int64_t tq0 = cq[n], tk0 = ck[n], Lq = cq[n + 1] - tq0, Lk = ck[n + 1] - tk0;
-      const int64_t lda = padded(Lk);       // row stride of the dK^T, dV^T accumulators
-      float* dKT = dkbuf.get(lda * S.D);     // [D, Lk]
-      float* dVT = dvbuf.get(lda * S.Dv);    // [Dv, Lk]
-      std::fill(dKT, dKT + lda * S.D, 0.0f);
-      std::fill(dVT, dVT + lda * S.Dv, 0.0f);
-      const float* Kh = KH + (h * S.Tk + tk0) * S.D;
-      const float* KTh = KT + h * S.D * ldt + tk0;
-      const float* VTh = VT + h * S.Dv * ldt + tk0;
+      const int64_t chunks = ch.base[n + 1] - ch.base[n];
+      float* dKT = dkbuf.get(chunks * S.D * ldc);      // dK^T by chunk [chunks, D, ldc]
+      float* dVT = dvbuf.get(chunks * S.Dv * ldc);     // dV^T by chunk [chunks, Dv, ldc]
+      std::fill(dKT, dKT + chunks * S.D * ldc, 0.0f);
+      std::fill(dVT, dVT + chunks * S.Dv * ldc, 0.0f);
+      const float* Kh = KC + (h * ch.total + ch.base[n]) * BN * S.D;    // the sequence's keys as rows, key j at j * D
+      const float* KTn = KT + (h * ch.total + ch.base[n]) * S.D * ldc;
+      const float* VTn = VT + (h * ch.total + ch.base[n]) * S.Dv * ldc;
       const int64_t ldk = S.D;
       for (const Block& b : row_blocks(bounds, tq0, Lq, R)) {
         const Rows rows(b, S.G);
-        const int64_t M = rows.M, keys = b.k1 - b.k0;
-        const bool kept = exact && M * keys <= kept_elements;
-        const int64_t width = padded(kept ? keys : BN);   // row stride of the P / dP buffers
-        float* qs = qbuf.get(M * S.D);
-        float* dos = dobuf.get(M * S.Dv);
-        float* dqs = dqbuf.get(M * S.D);
-        float* pb = pbuf.get(M * width);
-        float* dpb = dpbuf.get(M * width);
+        const int64_t M = rows.M, c00 = b.k0 / BN * BN;               // the block's first chunk starts at c00
+        const int64_t tiles = b.k1 > b.k0 ? (b.k1 - c00 + BN - 1) / BN : 0;
+        const bool kept = exact && Mp * tiles * BN <= kept_elements;   // P, dP of every chunk kept: [tiles, Mp, ldc]
+        float* qs = qbuf.get(Mp * S.D);
+        float* dos = dobuf.get(Mp * S.Dv);
+        float* dqs = dqbuf.get(Mp * S.D);
+        float* pb = pbuf.get((kept ? tiles : 1) * Mp * ldc);
+        float* dpb = dpbuf.get((kept ? tiles : 1) * Mp * ldc);
+        auto tile = [&](float* buf, int64_t c0) { return kept ? buf + (c0 - c00) / BN * Mp * ldc : buf; };
         gather_rows(Q, S.HQ, S.D, h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
         gather_rows(DO, S.HQ, S.Dv, h * S.G, S.G, tq0 + b.r0, rows.Rb, 1.0f, dos);
-        float* qsT = qtbuf.get(M * S.D);
-        float* dosT = dotbuf.get(M * S.Dv);
-        for (int64_t i = 0; i < M; ++i) {
-          for (int64_t d = 0; d < S.D; ++d) qsT[d * M + i] = qs[i * S.D + d];
-          for (int64_t d = 0; d < S.Dv; ++d) dosT[d * M + i] = dos[i * S.Dv + d];
+        std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
+        std::fill(dos + M * S.Dv, dos + Mp * S.Dv, 0.0f);
+        float* qsT = qtbuf.get(Mp * S.D);
+        float* dosT = dotbuf.get(Mp * S.Dv);
+        for (int64_t i = 0; i < Mp; ++i) {
+          for (int64_t d = 0; d < S.D; ++d) qsT[d * Mp + i] = qs[i * S.D + d];
+          for (int64_t d = 0; d < S.Dv; ++d) dosT[d * Mp + i] = dos[i * S.Dv + d];
         }
-        std::fill(dqs, dqs + M * S.D, 0.0f);
+        std::fill(dqs, dqs + Mp * S.D, 0.0f);
         mrow.resize(M);
         ilrow.resize(M);
         drow.resize(M);
@@ -405,19 +439,18 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
           dominant_possible = dominant_possible || ilrow[i] >= kDominantFrom;
         }
         const bool dominant = exact && dominant_possible;
-        // P = e^(S - m) / l and dP = dO V^T of chunk [c0, c1) into p / dp (row stride ld)
-        auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp, int64_t ld) {
-          const int64_t C = c1 - c0;
-          mm(M, C, S.D, qs, S.D, KTh + c0, ldt, p, ld, false);
-          mm(M, C, S.Dv, dos, S.Dv, VTh + c0, ldt, dp, ld, false);
+        // P = e^(S - m) / l and dP = dO V^T of the chunk at c0 (keys [c0, c1) of the block) into p / dp
+        auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp) {
+          mm(Mp, BN, S.D, qs, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
+          mm(Mp, BN, S.Dv, dos, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
           for (int64_t i = 0; i < M; ++i) {
             const int64_t tok = tq0 + b.r0 + i % rows.Rb;
             int64_t a, e;
             visible_cols(bounds[2 * tok], bounds[2 * tok + 1], c0, c1, a, e);
-            float* pi = p + i * ld;
+            float* pi = p + i * ldc;
             if (post != 1.0f) for (int64_t j = a; j < e; ++j) pi[j] *= post;
             std::fill(pi, pi + a, 0.0f);
-            std::fill(pi + e, pi + C, 0.0f);
+            std::fill(pi + e, pi + BN, 0.0f);
             exp_shifted(pi + a, e - a, mrow[i], ilrow[i], at_floor);
           }
         };
@@ -436,13 +469,12 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         };
         if (exact) {   // Delta from the products themselves: sum_j P dP - dlse
           std::vector<float> sums(M, 0.0f);
-          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN) {
+          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
             const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
-            float* p = kept ? pb + (c0 - b.k0) : pb;
-            float* dp = kept ? dpb + (c0 - b.k0) : dpb;
-            probabilities(c0, c1, p, dp, width);
-            for (int64_t i = 0; i < M; ++i) sums[i] += dot(p + i * width, dp + i * width, C);
-            if (dominant) see(p, width, c0, C);
+            float *p = tile(pb, c0), *dp = tile(dpb, c0);
+            probabilities(c0, c1, p, dp);
+            for (int64_t i = 0; i < M; ++i) sums[i] += dot(p + i * ldc, dp + i * ldc, C);
+            if (dominant) see(p, ldc, c0, C);
           }
           for (int64_t i = 0; i < M; ++i) {
             const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
@@ -476,27 +508,25 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             fix[i] = (float)(target - ds_sum[i]);
           }
         };
-        auto products = [&](const float* p, const float* ds, int64_t ld, int64_t c0, int64_t C) {
-          mm(M, S.D, C, ds, ld, Kh + c0 * ldk, ldk, dqs, S.D, true);
-          mm(S.D, C, M, qsT, M, ds, ld, dKT + c0, lda, true);       // dK^T [D, Lk] += Qs^T dS
-          mm(S.Dv, C, M, dosT, M, p, ld, dVT + c0, lda, true);      // dV^T [Dv, Lk] += dO^T P
+        // whole chunks: dS is 0 outside the visible keys (P is), padded rows of Q, dO, P and dS are 0
+        auto products = [&](const float* p, const float* ds, int64_t c0) {
+          mm(Mp, S.D, BN, ds, ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
+          mm(S.D, BN, Mp, qsT, Mp, ds, ldc, dKT + c0 / BN * S.D * ldc, ldc, true);     // dK^T += Qs^T dS
+          mm(S.Dv, BN, Mp, dosT, Mp, p, ldc, dVT + c0 / BN * S.Dv * ldc, ldc, true);   // dV^T += dO^T P
         };
         std::vector<float> fix;
         if (kept) {
-          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN)
-            make_ds(pb + (c0 - b.k0), dpb + (c0 - b.k0), width, std::min(b.k1, c0 + BN) - c0);
+          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) make_ds(tile(pb, c0), tile(dpb, c0), ldc, BN);
           if (dominant) {
             correction(fix);
-            for (int64_t i = 0; i < M; ++i) dpb[i * width + (best_key[i] - b.k0)] += fix[i];
+            for (int64_t i = 0; i < M; ++i) tile(dpb, best_key[i] / BN * BN)[i * ldc + best_key[i] % BN] += fix[i];
           }
-          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN)
-            products(pb + (c0 - b.k0), dpb + (c0 - b.k0), width, c0, std::min(b.k1, c0 + BN) - c0);
+          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) products(tile(pb, c0), tile(dpb, c0), c0);
         } else {
-          for (int64_t c0 = b.k0; c0 < b.k1; c0 += BN) {
-            const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
-            probabilities(c0, c1, pb, dpb, width);
-            make_ds(pb, dpb, width, C);
-            products(pb, dpb, width, c0, C);
+          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
+            probabilities(c0, std::min(b.k1, c0 + BN), pb, dpb);
+            make_ds(pb, dpb, ldc, BN);
+            products(pb, dpb, c0);
           }
           if (dominant) {
             correction(fix);
@@ -506,7 +536,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
               float* dqi = dqs + i * S.D;
               const float* qi = qs + i * S.D;
               for (int64_t d = 0; d < S.D; ++d) dqi[d] += fix[i] * key[d];
-              for (int64_t d = 0; d < S.D; ++d) dKT[d * lda + best_key[i]] += fix[i] * qi[d];
+              float* col = dKT + best_key[i] / BN * S.D * ldc + best_key[i] % BN;
+              for (int64_t d = 0; d < S.D; ++d) col[d * ldc] += fix[i] * qi[d];
             }
           }
         }
@@ -520,8 +551,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       for (int64_t j = 0; j < Lk; ++j) {
         float* dkj = DK + ((tk0 + j) * S.HKV + h) * S.D;
         float* dvj = DV + ((tk0 + j) * S.HKV + h) * S.Dv;
-        for (int64_t d = 0; d < S.D; ++d) dkj[d] = dKT[d * lda + j] * post;
-        for (int64_t d = 0; d < S.Dv; ++d) dvj[d] = dVT[d * lda + j];
+        const float *kcol = dKT + j / BN * S.D * ldc + j % BN, *vcol = dVT + j / BN * S.Dv * ldc + j % BN;
+        for (int64_t d = 0; d < S.D; ++d) dkj[d] = kcol[d * ldc] * post;
+        for (int64_t d = 0; d < S.Dv; ++d) dvj[d] = vcol[d * ldc];
       }
     }
     at::native::cpublas::brgemm_release(false);
