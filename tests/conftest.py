@@ -1,6 +1,5 @@
 import os
 import platform
-import shutil
 
 if platform.machine() in ("x86_64", "AMD64"):
     # Under the Triton interpreter tl.dot is numpy's matmul (OpenBLAS). OpenBLAS's Haswell and Zen
@@ -17,6 +16,7 @@ if not torch.cuda.is_available():   # run the Triton kernels on CPU tensors thro
 
 import pytest  # noqa: E402
 
+from sinkattn.backends import cpu_native
 from sinkattn.testing.verify import TENSORS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,7 +46,7 @@ def describe(result) -> str:
 def cpu_path(request, monkeypatch):
     """Each of the cpu backend's two ways to its tiles in turn (``SINKATTN_CPU_KERNEL``): the compiled
     kernel (skipped without a C++ compiler) and the PyTorch-op paths."""
-    if request.param == "compiled" and shutil.which(os.environ.get("CXX") or "c++") is None:
+    if request.param == "compiled" and cpu_native.compiler() is None:
         pytest.skip("no C++ compiler: the compiled kernel is not built")
     monkeypatch.setenv("SINKATTN_CPU_KERNEL", request.param)
     return request.param

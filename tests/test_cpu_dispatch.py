@@ -11,13 +11,12 @@ and dense, sharp scores, against the float64 golden (Gate A) with NaN-poisoned b
 bits on a second run."""
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
+from sinkattn.backends import cpu_native
 from sinkattn.testing import isa
 
 _CHILD = """
@@ -53,6 +52,6 @@ def test_cpu_backend_meets_the_standard_on_a_narrower_instruction_set(level):
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["capability"] == level, got      # the limit took
-    if shutil.which(os.environ.get("CXX") or "c++"):   # the compiled kernel, built for that level
+    if cpu_native.compiler():   # the compiled kernel, built for that level
         assert got["path"].startswith(f"compiled kernel ({level.upper()}, "), got["path"]
     assert got["failed"] == [], got["failed"]

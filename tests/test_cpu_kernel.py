@@ -6,7 +6,6 @@ silently wrong."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from sinkattn.backends import cpu_native, cpu_small, cpu_tiles
 from sinkattn.testing import cases, verify
 from conftest import describe
 
-COMPILER = shutil.which(os.environ.get("CXX") or "c++") is not None
+COMPILER = cpu_native.compiler() is not None
 
 
 

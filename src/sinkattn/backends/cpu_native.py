@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODES", "mode", "load", "available", "describe", "library_path"]
+__all__ = ["MODES", "mode", "compiler", "load", "available", "describe", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 MODES = ("auto", "compiled", "python")
@@ -54,6 +54,11 @@ def mode() -> str:
     return value
 
 
+def compiler() -> str | None:
+    """The C++ compiler a build would run (``$CXX``, else ``c++``) as found on ``PATH``; None: none."""
+    return shutil.which(os.environ.get("CXX") or "c++")
+
+
 def _isa() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     return capability if capability in _ISA_FLAGS else "DEFAULT"
@@ -65,12 +70,12 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _command(compiler: str, output: str) -> list[str]:
+def _command(cxx: str, output: str) -> list[str]:
     root = Path(torch.__file__).parent
     include = [f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
     libs = [str(root / "lib")]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *_ISA_FLAGS[_isa()], *include, str(SOURCE), "-o", output,
             *[f"-L{p}" for p in libs], *[f"-Wl,-rpath,{p}" for p in libs], "-lc10", "-ltorch_cpu"]
 
@@ -83,17 +88,18 @@ def library_path() -> Path:
 
 
 def _build(target: Path) -> None:
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
+    found = compiler()
+    if found is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r} not found; set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run(_command(compiler, tmp), capture_output=True, text=True, timeout=600)
+        command = _command(found, tmp)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             log = target.with_suffix(".log")
-            log.write_text(" ".join(_command(compiler, tmp)) + "\n\n" + done.stderr)
+            log.write_text(" ".join(command) + "\n\n" + done.stderr)
             raise RuntimeError(f"the build failed (exit {done.returncode}); the compiler's output is in {log}")
         os.replace(tmp, target)            # atomic: processes building at once each install a whole library
     finally:
@@ -118,7 +124,7 @@ def load():
                 _state["ops"] = torch.ops.sinkattn_cpu
             except (RuntimeError, OSError, subprocess.SubprocessError) as error:
                 _state["error"] = str(error)
-                if shutil.which(os.environ.get("CXX") or "c++") is not None and chosen == "auto":
+                if compiler() is not None and chosen == "auto":
                     warnings.warn(f"sinkattn: the compiled CPU kernel is not available ({error}); the CPU backend "
                                   f"runs its PyTorch-op tiles instead (set {_ENV}=python to choose them quietly)",
                                   RuntimeWarning, stacklevel=3)

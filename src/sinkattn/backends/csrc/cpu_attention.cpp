@@ -138,28 +138,6 @@ struct Chunks {
   }
 };
 
-// x [T, H, W] in chunks: transposed [H, chunks, W, ld] (ld >= BN), or as rows [H, chunks, BN, W].
-at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Chunks& ch, int64_t BN, int64_t ld,
-                   bool transposed) {
-  const int64_t H = x.size(1), W = x.size(2);
-  at::Tensor out = transposed ? at::zeros({H, ch.total, W, ld}, x.options()) : at::zeros({H, ch.total, BN, W}, x.options());
-  const float* X = x.data_ptr<float>();
-  float* Y = out.data_ptr<float>();
-  const int64_t per_chunk = transposed ? W * ld : BN * W;
-  at::parallel_for(0, H * N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t / N, n = t % N;
-      for (int64_t j = 0; j < ck[n + 1] - ck[n]; ++j) {
-        const float* src = X + ((ck[n] + j) * H + h) * W;
-        float* chunk = Y + (h * ch.total + ch.base[n] + j / BN) * per_chunk;
-        if (transposed) for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % BN] = src[d];
-        else std::memcpy(chunk + (j % BN) * W, src, W * sizeof(float));
-      }
-    }
-  });
-  return out;
-}
-
 // body(first, n, step) on each of the threads PyTorch uses for an op (at::get_num_threads()): thread i
 // takes tasks i, i + T, ... of [0, n), so that tasks of growing cost (causal row blocks) spread evenly.
 // OpenMP directly, not at::parallel_for, whose OpenMP loop lives in this file's headers: it follows
@@ -185,6 +163,28 @@ void parallel_tasks(int64_t n, const F& body) {
   }
 #endif
   body(0, n, 1);
+}
+
+// x [T, H, W] in chunks: transposed [H, chunks, W, ld] (ld >= BN), or as rows [H, chunks, BN, W].
+at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Chunks& ch, int64_t BN, int64_t ld,
+                   bool transposed) {
+  const int64_t H = x.size(1), W = x.size(2);
+  at::Tensor out = transposed ? at::zeros({H, ch.total, W, ld}, x.options()) : at::zeros({H, ch.total, BN, W}, x.options());
+  const float* X = x.data_ptr<float>();
+  float* Y = out.data_ptr<float>();
+  const int64_t per_chunk = transposed ? W * ld : BN * W;
+  parallel_tasks(H * N, [&](int64_t first, int64_t end, int64_t step) {
+    for (int64_t t = first; t < end; t += step) {
+      const int64_t h = t / N, n = t % N;
+      for (int64_t j = 0; j < ck[n + 1] - ck[n]; ++j) {
+        const float* src = X + ((ck[n] + j) * H + h) * W;
+        float* chunk = Y + (h * ch.total + ch.base[n] + j / BN) * per_chunk;
+        if (transposed) for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % BN] = src[d];
+        else std::memcpy(chunk + (j % BN) * W, src, W * sizeof(float));
+      }
+    }
+  });
+  return out;
 }
 
 struct Shape {
@@ -316,7 +316,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* KTn = KT + (task.h * ch.total + ch.base[task.n]) * S.D * lds;    // the sequence's chunks
       const float* Vn = VC + (task.h * ch.total + ch.base[task.n]) * BN * S.Dv;
       for (int64_t c0 = b.k0 / BN * BN; c0 < b.k1; c0 += BN) {
-        const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
+        const int64_t c1 = std::min(b.k1, c0 + BN);
         mm(Mp, BN, S.D, qs, S.D, KTn + c0 / BN * S.D * lds, lds, s, lds, false);
         for (int64_t i = 0; i < M; ++i) {
           const int64_t r = i % rows.Rb, tok = tq0 + b.r0 + r;
@@ -372,16 +372,15 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
   if (dlse_t.numel()) expect(dlse_t, "dlse", at::kFloat, {S.HQ, S.Tq});
   if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
-  const int64_t *ck_ = cu_k.data_ptr<int64_t>();
-  const Chunks ch(ck_, S.N, BN);
+  const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
+  const Chunks ch(ck, S.N, BN);
   const int64_t ldc = padded(BN);   // row stride of every [*, BN] tile
-  const at::Tensor kt = chunked(k, ck_, S.N, ch, BN, ldc, true), vt = chunked(v, ck_, S.N, ch, BN, ldc, true);
-  const at::Tensor kc = chunked(k, ck_, S.N, ch, BN, 0, false);
+  const at::Tensor kt = chunked(k, ck, S.N, ch, BN, ldc, true), vt = chunked(v, ck, S.N, ch, BN, ldc, true);
+  const at::Tensor kc = chunked(k, ck, S.N, ch, BN, 0, false);
   const float *Q = q.data_ptr<float>(), *KC = kc.data_ptr<float>(), *KT = kt.data_ptr<float>(), *VT = vt.data_ptr<float>();
   const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *IL = inv_l_t.data_ptr<float>();
   const float *DL = Optional(dlse_t).p, *SM = Optional(sink_t).p;
   float* DELTA = delta_t.data_ptr<float>();
-  const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
   float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
   const int64_t R = std::max<int64_t>(1, BM / S.G), Mp = S.G * R;   // rows of every block, the last one padded
   const float at_floor = exp_floor_value();
