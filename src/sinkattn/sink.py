@@ -60,12 +60,17 @@ def _log(x: torch.Tensor, base2: bool) -> torch.Tensor:
     return torch.log2(x) if base2 else torch.log(x)
 
 
+def _shift(m_a: torch.Tensor, m_b: torch.Tensor) -> torch.Tensor:
+    """The larger of the finite ones of ``m_a``, ``m_b``; 0 where neither is finite (so no ``-inf - -inf``
+    or ``inf - inf`` is formed). Four element-wise ops: the merge runs on every call."""
+    def finite(m):
+        return torch.nan_to_num(m, nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
+    return torch.nan_to_num(torch.maximum(finite(m_a), finite(m_b)), neginf=0.0)
+
+
 def _masses(a: Stats, b: Stats, base2: bool):
-    """``(mass_a, mass_b, c)``: each part's denominator relative to the shift ``c``, which is the
-    larger maximum, or a finite stand-in (so no ``-inf - -inf`` or ``inf - inf`` is formed)."""
-    c = torch.maximum(a.m, b.m)
-    c = torch.where(torch.isfinite(c), c, torch.where(torch.isfinite(a.m), a.m, torch.where(
-        torch.isfinite(b.m), b.m, 0.0)))
+    """``(mass_a, mass_b, c)``: each part's denominator relative to the shift ``c`` (``_shift``)."""
+    c = _shift(a.m, b.m)
     return _exp(a.m - c + a.log_l, base2), _exp(b.m - c + b.log_l, base2), c
 
 
@@ -95,10 +100,11 @@ def with_sink(o: torch.Tensor, stats: Stats, sinks: torch.Tensor | None, base2: 
     -> ``(o, Stats)`` final, ``o`` scaled in place. ``sinks [HQ]``: raw logits (natural units), or None."""
     if sinks is None:
         return o, stats
-    sink = sinks.float().view(-1, *([1] * (stats.m.dim() - 1))).expand_as(stats.m)
+    sink = sinks.float().view(-1, *([1] * (stats.m.dim() - 1)))
     sink = sink * LOG2E if base2 else sink
-    mass_keys, mass_sink, c = _masses(stats, Stats(sink, torch.zeros_like(sink)), base2)
-    z = mass_keys + mass_sink
+    c = _shift(stats.m, sink)                                   # the sink is one key: its log_l is 0
+    mass_keys = _exp(stats.m - c + stats.log_l, base2)
+    z = mass_keys + _exp(sink - c, base2)
     return o.mul_(_per_row(_weight(mass_keys, z, stats)).to(o.dtype)), Stats(c, _log(z, base2))
 
 

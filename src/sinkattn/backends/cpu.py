@@ -144,22 +144,25 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     summed from the products themselves (``cpu_tiles.backward``), or, when the call holds only some keys
     of its rows (``partial``), taken from ``o``."""
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
-    delta = sink.row_delta(do32, o, dlse).contiguous()
     literal = nonfinite.present(q32, k32, v32)
     dq = buffers.new(q.shape, torch.float32, q.device)
     dk = buffers.new(k.shape, torch.float32, q.device)
     dv = buffers.new(v.shape, torch.float32, q.device)
-    inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0
     native = None if literal else cpu_native.load()
     if native is not None:
         none = q32.new_empty(0)
+        # the kernel sums Delta of every row itself unless the call holds only some of its keys
+        delta = sink.row_delta(do32, o, dlse).contiguous() if partial else buffers.new(stats.m.shape, torch.float32,
+                                                                                         q.device)
         native.backward(do32.contiguous(), q32.contiguous(), k32.contiguous(), v32.contiguous(),
-                        stats.m.contiguous(), inv_l.contiguous(), delta,
+                        stats.m.contiguous(), stats.log_l.contiguous(), delta,
                         none if dlse is None else dlse.float().contiguous(),
                         none if sink_mass is None else sink_mass.float().contiguous(),
                         *_sequences(batch, window), *_scales(softmax_scale), softmax_scale, not partial,
                         NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, dq, dk, dv)
         return dq, dk, dv, delta
+    delta = sink.row_delta(do32, o, dlse)
+    inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, q.shape[1])
     for path, sequences in ((cpu_tiles, parts.runs), (cpu_small, parts.small)):
         path.backward(do32, q32, k32, v32, stats.m, inv_l, delta, dlse, sink_mass, sequences, dq, dk, dv,

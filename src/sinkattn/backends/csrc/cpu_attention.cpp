@@ -8,8 +8,9 @@
 //   bounds [Tq, 2] int64: the keys [lo, hi) of its sequence that a query token sees (hi <= lo: none).
 //
 // A task is one sequence and one KV head: its G query heads are stacked as the rows of a block
-// (BM rows: R = BM / G positions of each head), chunks of BN keys. Tasks run in parallel; each result
-// element is written by exactly one task, in a fixed order, so results do not depend on the thread count.
+// (at most BM rows: R = BM / G positions of each head), its keys in chunks of at most BN, both sized
+// to the sequence (Layout). Tasks run in parallel; each result element is written by exactly one task,
+// in a fixed order, so results do not depend on the thread count.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -125,17 +126,42 @@ inline int64_t padded(int64_t n) {
   return r % 256 == 0 ? r + 16 : r;
 }
 
-// Each sequence's keys in chunks of BN, the last one zero-padded: every product of the kernel then has
-// one of a few shapes and row strides. (oneDNN compiles a kernel per shape and stride, and PyTorch keeps
-// each one, about 200 KiB, for the life of the process: shapes that followed the lengths grew memory
-// with every new length.) Chunk c of sequence n is base[n] + c.
-struct Chunks {
-  std::vector<int64_t> base;
-  int64_t total = 0;
-  Chunks(const int64_t* ck, int64_t N, int64_t BN) : base(N + 1, 0) {
-    for (int64_t n = 0; n < N; ++n) base[n + 1] = base[n] + (ck[n + 1] - ck[n] + BN - 1) / BN;
-    total = base[N];
+// Each sequence's keys in chunks of bn keys, the last one zero-padded, and its rows in blocks of r
+// positions of each of the G heads: every product of the kernel then has one of a few shapes and row
+// strides. (oneDNN compiles a kernel per shape and stride, and PyTorch keeps each one, about 200 KiB,
+// for the life of the process: shapes that followed the lengths grew memory with every new length.)
+// bn and r are the smallest of a few sizes (powers of two up to BN and R) that hold the sequence, so
+// that a short sequence is not padded to a long one's tiles; they follow the sequence's own lengths, so
+// its results do not depend on what it is packed with.
+int64_t size_class(int64_t length, int64_t largest) {
+  int64_t size = std::max<int64_t>(1, largest / 8);
+  while (size < length && size < largest) size *= 2;
+  return std::min(size, largest);
+}
+
+struct Layout {
+  std::vector<int64_t> bn, ld, r, chunks;   // per sequence: chunk size, its row stride, block positions, chunks
+  std::vector<int64_t> keys, cols;          // per sequence: padded keys and [*, ld] columns before it
+  Layout(const int64_t* cq, const int64_t* ck, int64_t N, int64_t BN, int64_t R)
+      : bn(N), ld(N), r(N), chunks(N), keys(N + 1, 0), cols(N + 1, 0) {
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t Lk = ck[n + 1] - ck[n];
+      bn[n] = size_class(Lk, BN);
+      ld[n] = padded(bn[n]);
+      r[n] = size_class(cq[n + 1] - cq[n], R);
+      chunks[n] = (Lk + bn[n] - 1) / bn[n];
+      keys[n + 1] = keys[n] + chunks[n] * bn[n];
+      cols[n + 1] = cols[n] + chunks[n] * ld[n];
+    }
   }
+  int64_t total_keys() const { return keys.back(); }
+  int64_t total_cols() const { return cols.back(); }
+  // x [T, H, W] as chunked by chunked(): head h of sequence n, transposed ([chunks, W, ld]) or as rows
+  // ([keys, W], key j at j * W)
+  template <typename T>
+  T* transposed(T* X, int64_t h, int64_t n, int64_t W) const { return X + (h * total_cols() + cols[n]) * W; }
+  template <typename T>
+  T* rows(T* X, int64_t h, int64_t n, int64_t W) const { return X + (h * total_keys() + keys[n]) * W; }
 };
 
 // body(first, n, step) on each of the threads PyTorch uses for an op (at::get_num_threads()): thread i
@@ -165,22 +191,24 @@ void parallel_tasks(int64_t n, const F& body) {
   body(0, n, 1);
 }
 
-// x [T, H, W] in chunks: transposed [H, chunks, W, ld] (ld >= BN), or as rows [H, chunks, BN, W].
-at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Chunks& ch, int64_t BN, int64_t ld,
-                   bool transposed) {
+// x [T, H, W] by sequence in chunks (Layout): each chunk transposed, [W, ld], or as rows, [bn, W].
+at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Layout& L, bool transposed) {
   const int64_t H = x.size(1), W = x.size(2);
-  at::Tensor out = transposed ? at::zeros({H, ch.total, W, ld}, x.options()) : at::zeros({H, ch.total, BN, W}, x.options());
+  at::Tensor out = at::zeros({H, (transposed ? L.total_cols() : L.total_keys()) * W}, x.options());
   const float* X = x.data_ptr<float>();
   float* Y = out.data_ptr<float>();
-  const int64_t per_chunk = transposed ? W * ld : BN * W;
   parallel_tasks(H * N, [&](int64_t first, int64_t end, int64_t step) {
     for (int64_t t = first; t < end; t += step) {
-      const int64_t h = t / N, n = t % N;
+      const int64_t h = t / N, n = t % N, bn = L.bn[n], ld = L.ld[n];
+      float* seq = transposed ? L.transposed(Y, h, n, W) : L.rows(Y, h, n, W);
       for (int64_t j = 0; j < ck[n + 1] - ck[n]; ++j) {
         const float* src = X + ((ck[n] + j) * H + h) * W;
-        float* chunk = Y + (h * ch.total + ch.base[n] + j / BN) * per_chunk;
-        if (transposed) for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % BN] = src[d];
-        else std::memcpy(chunk + (j % BN) * W, src, W * sizeof(float));
+        if (transposed) {
+          float* chunk = seq + j / bn * W * ld;
+          for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % bn] = src[d];
+        } else {
+          std::memcpy(seq + j * W, src, W * sizeof(float));
+        }
       }
     }
   });
@@ -276,24 +304,22 @@ inline void visible_cols(int64_t lo, int64_t hi, int64_t c0, int64_t c1, int64_t
 
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                   const at::Tensor& cu_k, const at::Tensor& bounds_t, double row_scale, double score_scale,
-                  int64_t BM, int64_t BN, at::Tensor& o, at::Tensor& m_out, at::Tensor& log_l_out) {
+                  int64_t BM, int64_t max_bn, at::Tensor& o, at::Tensor& m_out, at::Tensor& log_l_out) {
   const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_out, &log_l_out});
   expect(o, "o", at::kFloat, {S.Tq, S.HQ, S.Dv});
-  TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
+  TORCH_CHECK(BM > 0 && max_bn > 0, "sinkattn_cpu: BM and BN must be positive");
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
-  const Chunks ch(ck, S.N, BN);
-  const int64_t lds = padded(BN);
-  const at::Tensor kt = chunked(k, ck, S.N, ch, BN, lds, true), vc = chunked(v, ck, S.N, ch, BN, 0, false);
+  const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
+  const at::Tensor kt = chunked(k, ck, S.N, L, true), vc = chunked(v, ck, S.N, L, false);
   const float *Q = q.data_ptr<float>(), *VC = vc.data_ptr<float>(), *KT = kt.data_ptr<float>();
   float *O = o.data_ptr<float>(), *Mo = m_out.data_ptr<float>(), *Lo = log_l_out.data_ptr<float>();
-  const int64_t R = std::max<int64_t>(1, BM / S.G), Mp = S.G * R;   // rows of every block, the last one padded
   const float at_floor = exp_floor_value();
   const float post = (float)score_scale;
 
   struct Task { int64_t n, h; Block b; };
   std::vector<Task> tasks;
   for (int64_t n = 0; n < S.N; ++n)
-    for (const Block& b : row_blocks(bounds, cq[n], cq[n + 1] - cq[n], R))
+    for (const Block& b : row_blocks(bounds, cq[n], cq[n + 1] - cq[n], L.r[n]))
       for (int64_t h = 0; h < S.HKV; ++h) tasks.push_back({n, h, b});
 
   parallel_tasks((int64_t)tasks.size(), [&](int64_t first, int64_t end, int64_t step) {
@@ -303,7 +329,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const Task& task = tasks[t];
       const Block& b = task.b;
       const Rows rows(b, S.G);
-      const int64_t tq0 = cq[task.n], tk0 = ck[task.n], M = rows.M;
+      const int64_t tq0 = cq[task.n], M = rows.M, Mp = S.G * L.r[task.n];   // the last block's rows padded
+      const int64_t BNn = L.bn[task.n], lds = L.ld[task.n];
       float* qs = qbuf.get(Mp * S.D);
       float* acc = accbuf.get(Mp * S.Dv);
       float* s = sbuf.get(Mp * lds);
@@ -313,11 +340,11 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       c.assign(M, 0.0f);
       l.assign(M, 0.0f);
       std::fill(acc, acc + Mp * S.Dv, 0.0f);
-      const float* KTn = KT + (task.h * ch.total + ch.base[task.n]) * S.D * lds;    // the sequence's chunks
-      const float* Vn = VC + (task.h * ch.total + ch.base[task.n]) * BN * S.Dv;
-      for (int64_t c0 = b.k0 / BN * BN; c0 < b.k1; c0 += BN) {
-        const int64_t c1 = std::min(b.k1, c0 + BN);
-        mm(Mp, BN, S.D, qs, S.D, KTn + c0 / BN * S.D * lds, lds, s, lds, false);
+      const float* KTn = L.transposed(KT, task.h, task.n, S.D);    // the sequence's chunks
+      const float* Vn = L.rows(VC, task.h, task.n, S.Dv);
+      for (int64_t c0 = b.k0 / BNn * BNn; c0 < b.k1; c0 += BNn) {
+        const int64_t c1 = std::min(b.k1, c0 + BNn);
+        mm(Mp, BNn, S.D, qs, S.D, KTn + c0 / BNn * S.D * lds, lds, s, lds, false);
         for (int64_t i = 0; i < M; ++i) {
           const int64_t r = i % rows.Rb, tok = tq0 + b.r0 + r;
           int64_t a, e;
@@ -328,7 +355,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const float c_new = std::isfinite(m_new) ? m_new : 0.0f;
           const float alpha = mx[i] == kNegInf ? 0.0f : std::exp(c[i] - c_new);
           std::fill(si, si + a, 0.0f);
-          std::fill(si + e, si + BN, 0.0f);
+          std::fill(si + e, si + BNn, 0.0f);
           l[i] = l[i] * alpha + exp_shifted(si + a, e - a, c_new, 1.0f, at_floor);
           if (alpha != 1.0f) {
             float* ai = acc + i * S.Dv;
@@ -337,7 +364,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           mx[i] = m_new;
           c[i] = c_new;
         }
-        mm(Mp, S.Dv, BN, s, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
+        mm(Mp, S.Dv, BNn, s, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
       }
       for (int64_t i = 0; i < M; ++i) {
         const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r, hq = task.h * S.G + g;
@@ -359,30 +386,27 @@ struct Optional {
 };
 
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& m_t, const at::Tensor& inv_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
+                   const at::Tensor& m_t, const at::Tensor& log_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
                    const at::Tensor& sink_t, const at::Tensor& cu_q, const at::Tensor& cu_k,
                    const at::Tensor& bounds_t, double row_scale, double score_scale, double softmax_scale,
-                   bool exact, int64_t BM, int64_t BN, int64_t kept_elements, at::Tensor& dq, at::Tensor& dk,
+                   bool exact, int64_t BM, int64_t max_bn, int64_t kept_elements, at::Tensor& dq, at::Tensor& dk,
                    at::Tensor& dv) {
-  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_t, &inv_l_t, &delta_t});
+  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_t, &log_l_t, &delta_t});
   expect(dout, "dout", at::kFloat, {S.Tq, S.HQ, S.Dv});
   expect(dq, "dq", at::kFloat, q.sizes());
   expect(dk, "dk", at::kFloat, k.sizes());
   expect(dv, "dv", at::kFloat, v.sizes());
-  TORCH_CHECK(BM > 0 && BN > 0, "sinkattn_cpu: BM and BN must be positive");
+  TORCH_CHECK(BM > 0 && max_bn > 0, "sinkattn_cpu: BM and BN must be positive");
   if (dlse_t.numel()) expect(dlse_t, "dlse", at::kFloat, {S.HQ, S.Tq});
   if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
-  const Chunks ch(ck, S.N, BN);
-  const int64_t ldc = padded(BN);   // row stride of every [*, BN] tile
-  const at::Tensor kt = chunked(k, ck, S.N, ch, BN, ldc, true), vt = chunked(v, ck, S.N, ch, BN, ldc, true);
-  const at::Tensor kc = chunked(k, ck, S.N, ch, BN, 0, false);
+  const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
+  const at::Tensor kt = chunked(k, ck, S.N, L, true), vt = chunked(v, ck, S.N, L, true), kc = chunked(k, ck, S.N, L, false);
   const float *Q = q.data_ptr<float>(), *KC = kc.data_ptr<float>(), *KT = kt.data_ptr<float>(), *VT = vt.data_ptr<float>();
-  const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *IL = inv_l_t.data_ptr<float>();
+  const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *LL = log_l_t.data_ptr<float>();
   const float *DL = Optional(dlse_t).p, *SM = Optional(sink_t).p;
   float* DELTA = delta_t.data_ptr<float>();
   float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
-  const int64_t R = std::max<int64_t>(1, BM / S.G), Mp = S.G * R;   // rows of every block, the last one padded
   const float at_floor = exp_floor_value();
   const float post = (float)score_scale;
 
@@ -395,16 +419,16 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     for (int64_t task = first; task < end; task += step) {
       const int64_t n = task / S.HKV, h = task % S.HKV;
       const int64_t tq0 = cq[n], tk0 = ck[n], Lq = cq[n + 1] - tq0, Lk = ck[n + 1] - tk0;
-      const int64_t chunks = ch.base[n + 1] - ch.base[n];
+      const int64_t chunks = L.chunks[n], BN = L.bn[n], ldc = L.ld[n], Mp = S.G * L.r[n];   // the sequence's tiles
       float* dKT = dkbuf.get(chunks * S.D * ldc);      // dK^T by chunk [chunks, D, ldc]
       float* dVT = dvbuf.get(chunks * S.Dv * ldc);     // dV^T by chunk [chunks, Dv, ldc]
       std::fill(dKT, dKT + chunks * S.D * ldc, 0.0f);
       std::fill(dVT, dVT + chunks * S.Dv * ldc, 0.0f);
-      const float* Kh = KC + (h * ch.total + ch.base[n]) * BN * S.D;    // the sequence's keys as rows, key j at j * D
-      const float* KTn = KT + (h * ch.total + ch.base[n]) * S.D * ldc;
-      const float* VTn = VT + (h * ch.total + ch.base[n]) * S.Dv * ldc;
+      const float* Kh = L.rows(KC, h, n, S.D);    // the sequence's keys as rows, key j at j * D
+      const float* KTn = L.transposed(KT, h, n, S.D);
+      const float* VTn = L.transposed(VT, h, n, S.Dv);
       const int64_t ldk = S.D;
-      for (const Block& b : row_blocks(bounds, tq0, Lq, R)) {
+      for (const Block& b : row_blocks(bounds, tq0, Lq, L.r[n])) {
         const Rows rows(b, S.G);
         const int64_t M = rows.M, c00 = b.k0 / BN * BN;               // the block's first chunk starts at c00
         const int64_t tiles = b.k1 > b.k0 ? (b.k1 - c00 + BN - 1) / BN : 0;
@@ -433,7 +457,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         for (int64_t i = 0; i < M; ++i) {
           const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
           mrow[i] = Mst[at];
-          ilrow[i] = IL[at];
+          ilrow[i] = LL[at] == kNegInf ? 0.0f : std::exp(-LL[at]);   // 1 / l; no key and no sink: P = 0
           drow[i] = DELTA[at];
           dominant_possible = dominant_possible || ilrow[i] >= kDominantFrom;
         }
@@ -566,11 +590,11 @@ void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 }
 
 void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                 const at::Tensor& m, const at::Tensor& inv_l, at::Tensor delta, const at::Tensor& dlse,
+                 const at::Tensor& m, const at::Tensor& log_l, at::Tensor delta, const at::Tensor& dlse,
                  const at::Tensor& sink_mass, const at::Tensor& cu_q, const at::Tensor& cu_k,
                  const at::Tensor& bounds, double row_scale, double score_scale, double softmax_scale, bool exact,
                  int64_t BM, int64_t BN, int64_t kept_elements, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
-  backward_impl(dout, q, k, v, m, inv_l, delta, dlse, sink_mass, cu_q, cu_k, bounds, row_scale, score_scale,
+  backward_impl(dout, q, k, v, m, log_l, delta, dlse, sink_mass, cu_q, cu_k, bounds, row_scale, score_scale,
                 softmax_scale, exact, BM, BN, kept_elements, dq, dk, dv);
 }
 
@@ -579,7 +603,7 @@ void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
 TORCH_LIBRARY(sinkattn_cpu, lib) {
   lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, int BM, int BN, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
-  lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor inv_l, Tensor(a!) delta, "
+  lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor log_l, Tensor(a!) delta, "
           "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
           "Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
