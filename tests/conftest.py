@@ -9,6 +9,12 @@ if platform.machine() in ("x86_64", "AMD64"):
     # benchmarks/gpu.py checks Gate A there). Read when numpy loads: before torch, which imports it.
     os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # pytest -n: the cores are shared between the workers (and the processes their tests start);
+    # OpenMP teams that add up to more threads than cores wait on each other
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():   # run the Triton kernels on CPU tensors through the interpreter
