@@ -219,3 +219,32 @@ def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with(dtype, kernel)
         rows, got = run(alone)
         where = torch.searchsorted(rows_all, rows)
         assert all(torch.equal(a, b[where]) for a, b in zip(got, packed)), alone
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+def test_the_compiled_sink_join_is_the_formula_of_sinkattn_sink_on_every_kind_of_row(kernel):
+    """``cpu.join_sink`` against ``sink.with_sink`` and ``lse_of`` on rows of every kind: ordinary, without
+    keys, one-hot (``log_l`` 0), and each of m and the sink +-inf or NaN: the same special values in the
+    same places, the finite ones within a few ulp (the two ``exp`` differ in their last bit)."""
+    from sinkattn import sink
+    from sinkattn.backends import cpu
+    kernel("compiled")
+    inf, nan = float("inf"), float("nan")
+    g = torch.Generator().manual_seed(5)
+    HQ, T, Dv = 6, 40, 8
+    sinks = torch.tensor([0.5, -3.0, inf, -inf, nan, 80.0])
+    m = torch.randn(HQ, T, generator=g) * 20
+    log_l = torch.rand(HQ, T, generator=g) * 5
+    m[:, :4] = torch.tensor([inf, -inf, nan, 0.0])
+    log_l[:, 1] = -inf                                      # no keys (m = -inf, l = 0)
+    log_l[:, 4] = 0.0                                       # one-hot
+    m[:, 5], log_l[:, 5] = -inf, -inf
+    o = torch.randn(T, HQ, Dv, generator=g)
+    want_o, want = sink.with_sink(o.clone(), sink.Stats(m.clone(), log_l.clone()), sinks)
+    got_o = o.clone()
+    got, lse = cpu.join_sink(got_o, sink.Stats(m.clone(), log_l.clone()), sinks)
+    for a, b in [(got_o, want_o), (got.m, want.m), (got.log_l, want.log_l), (lse, sink.lse_of(want))]:
+        special = ~torch.isfinite(b)
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[special & ~torch.isnan(b)],
+                                                                          b[special & ~torch.isnan(b)])
+        torch.testing.assert_close(a[~special], b[~special], rtol=4 * 2**-23, atol=1e-30)

@@ -60,6 +60,6 @@ def autocast_inputs(q, k, v):
 
 def disabled(device: torch.device):
     """A context with autocast off on ``device``'s type, for the backends' own fp32 computations."""
-    if not torch.amp.is_autocast_available(device.type):
-        return contextlib.nullcontext()
+    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()          # nothing to turn off (a call without autocast pays nothing)
     return torch.autocast(device.type, enabled=False)

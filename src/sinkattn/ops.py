@@ -122,10 +122,14 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                 batch = Batch(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
             result = impl.forward(qp, kp, vp, batch, window, softmax_scale, needs_grad)
         o, stats = result
+        joined = impl.join_sink(o, stats, sinks) if sinks is not None and hasattr(impl, "join_sink") else None
         o = o.view(q.shape[:-1] + o.shape[-1:])                       # dense: [B, Sq, HQ, D]
-        rows = stats.m.shape[:1] + q.shape[:-2]                       # [HQ, T] or [HQ, B, Sq]
-        o, stats = sink.with_sink(o, sink.Stats(stats.m.view(rows), stats.log_l.view(rows)), sinks, caps.base2)
-        lse = sink.lse_of(stats, caps.base2).float()
+        if joined is not None:
+            stats, lse = joined
+        else:
+            rows = stats.m.shape[:1] + q.shape[:-2]                   # [HQ, T] or [HQ, B, Sq]
+            o, stats = sink.with_sink(o, sink.Stats(stats.m.view(rows), stats.log_l.view(rows)), sinks, caps.base2)
+            lse = sink.lse_of(stats, caps.base2).float()
     flat = stats.m.shape[:1] + (-1,)
     return tuple(contiguous(o, lse.reshape(flat), stats.m.reshape(flat), stats.log_l.reshape(flat)))
 

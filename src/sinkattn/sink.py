@@ -136,6 +136,8 @@ def dsinks_from(sinks: torch.Tensor, mass: torch.Tensor, delta: torch.Tensor) ->
     blocks of ``SUM_BLOCK`` rows, then over the blocks: one order whatever the thread count (a single long
     sum is split between threads, and its rounding with it)."""
     terms = mass * delta                                                        # [HQ, T]
+    if terms.shape[-1] <= SUM_BLOCK:                                            # one block
+        return (-terms.sum(-1)).to(sinks.dtype)
     pad = -terms.shape[-1] % SUM_BLOCK
     blocks = torch.nn.functional.pad(terms, (0, pad)).view(terms.shape[0], -1, SUM_BLOCK)
     return (-blocks.sum(-1).sum(-1)).to(sinks.dtype)

@@ -12,6 +12,9 @@ The forward computes the softmax over each row's visible keys only, **without** 
 handed over as it is (``q [B, Sq, HQ, D]``, any strides; only to a backend that declares ``dense``,
 which returns ``o [B, Sq, HQ, D]`` and ``Stats [HQ, B*Sq]``, or None to have it packed).
 ``needs_grad``: the backward will follow (a backend may take a faster forward otherwise).
+A backend may also expose ``join_sink(o, stats, sinks) -> (Stats, lse) or None``: the sink's join
+(``sinkattn.sink.with_sink`` and ``lse_of``, the same formula) on its forward's own results, computed
+its own way (the cpu backend: one compiled call); None leaves the join to ``sinkattn.sink``.
 
 The backward gets the final results of the rows: ``o`` and ``stats`` with the sink and every key of
 the row included, ``sink_mass [HQ, Tq]`` (the sink's probability per row, ``sink.sink_mass``) or None

@@ -31,9 +31,9 @@ import torch
 from .. import masks, sink
 from . import buffers, cpu_fused, cpu_native, cpu_small, cpu_tiles, layout, nonfinite
 from .capabilities import Capabilities
-from .scores import MAX_SCORE, check_fp32_range, loose_bound, score_bound
+from .scores import MAX_SCORE, check_fp32_range, loose_bound, norms, score_bound
 
-__all__ = ["CAPABILITIES", "forward", "backward", "split"]
+__all__ = ["CAPABILITIES", "forward", "backward", "join_sink", "split"]
 
 CAPABILITIES = Capabilities(
     name="cpu",
@@ -113,10 +113,15 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
         return _dense(q, k, v, window, softmax_scale)
     q32, k32, v32 = q.float(), k.float(), v.float()
     Tq, HQ, D = q.shape
-    bound = score_bound(q32, k32, softmax_scale)
-    check_fp32_range(bound, q32, k32)
-    # a finite, nonzero bound has finite norms: q and k are finite, only v is left to look at
-    literal = nonfinite.present(v32) or (not 0.0 < bound < math.inf and nonfinite.present(q32, k32))
+    norm_q, norm_k, norm_v = norms(q32, k32, v32)
+    if math.isfinite(norm_q) and math.isfinite(norm_k) and loose_bound(q32, k32, softmax_scale, norm_q, norm_k) <= (
+            MAX_SCORE / 2):       # q, k finite and scores well inside fp32 (the loose bound rounded in fp32)
+        literal = not math.isfinite(norm_v)
+    else:
+        bound = score_bound(q32, k32, softmax_scale)
+        check_fp32_range(bound, q32, k32)
+        # a finite, nonzero bound has finite norms: q and k are finite, only v is left to look at
+        literal = nonfinite.present(v32) or (not 0.0 < bound < math.inf and nonfinite.present(q32, k32))
     out = buffers.new((Tq, HQ, v.shape[2]), torch.float32, q.device)          # [Tq, HQ, Dv]
     m = buffers.new((HQ, Tq), torch.float32, q.device)
     log_l = buffers.new((HQ, Tq), torch.float32, q.device)
@@ -136,6 +141,19 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
         cpu_tiles.forward(q32, k32, v32, parts.runs, out, m, log_l, softmax_scale, window, literal)
     cpu_small.forward(q32, k32, v32, parts.small, out, m, log_l, softmax_scale, window, literal)
     return out, sink.Stats(m, log_l)
+
+
+def join_sink(o, stats, sinks):
+    """``sinkattn.sink.with_sink`` and ``lse_of`` in one compiled call, on the forward's own results
+    (``o [T, HQ, Dv]`` fp32 contiguous, scaled in place; ``stats [HQ, T]``): ``(Stats, lse)`` final, or None
+    where the kernel is not built or ``o`` is not laid out so (a dense call's fused forward)."""
+    native = cpu_native.load()
+    if native is None or o.dim() != 3 or o.dtype != torch.float32 or not o.is_contiguous():
+        return None
+    m, log_l = stats.m.contiguous(), stats.log_l.contiguous()
+    lse = buffers.new(m.shape, torch.float32, o.device)
+    native.join_sink(o, m, log_l, sinks.float().contiguous(), lse)
+    return sink.Stats(m, log_l), lse
 
 
 def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):

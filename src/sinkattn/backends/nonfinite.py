@@ -3,7 +3,7 @@
 The formula sums over visible keys only. A matrix product ``P @ V`` whose ``P`` is 0 on the pairs a
 row does not see still carries a NaN or inf of ``V`` there (``0 * NaN = NaN``), and so do ``dS @ K``
 and ``dO @ V^T`` in the backward. The CPU paths therefore check each call's keys and values once
-(``present``, one reduction each) and, only when a special value is there, form those products with
+(``present``, one fused reduction) and, only when a special value is there, form those products with
 ``visible_matmul``: the finite part as usual, the special values of the visible terms added by
 IEEE's rules, which do not depend on the order of a sum (NaN if a term is NaN or terms of both
 infinite signs meet, else the one infinity).
@@ -15,21 +15,17 @@ import math
 
 import torch
 
+from . import scores
+
 __all__ = ["present", "visible_matmul"]
 
 _INF = float("inf")
 
 
 def present(*tensors: torch.Tensor) -> bool:
-    """True when a tensor holds a NaN or an inf: one sum each (a finite sum that overflows counts too;
-    it only sends the call down the exact path)."""
-    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel() > 0]
-    if not sums:
-        return False
-    total = sums[0]
-    for s in sums[1:]:
-        total = total + s
-    return not math.isfinite(float(total))       # one read, no more tensor ops
+    """True when a tensor holds a NaN or an inf: one fused norm over all of them, one read (finite values
+    whose squares overflow count too; they only send the call down the exact path)."""
+    return not all(math.isfinite(n) for n in scores.norms(*tensors))
 
 
 def visible_matmul(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -19,7 +19,7 @@ import math
 import torch
 
 __all__ = ["LARGE_SCORE", "MAX_SCORE", "score_bound", "may_have_large_scores", "large_scores_flag", "check_fp32_range",
-           "loose_bound"]
+           "loose_bound", "norms"]
 
 LARGE_SCORE = 256.0
 MAX_SCORE = torch.finfo(torch.float32).max / (2 * math.log2(math.e))
@@ -66,12 +66,20 @@ def check_fp32_range(bound: float, q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 
-def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float) -> float:
+def norms(*tensors: torch.Tensor) -> list[float]:
+    """Each tensor's Frobenius norm (0 for an empty one; inf or NaN where it holds inf or NaN, or its squares
+    overflow): one fused reduction over all of them, one read."""
+    return torch.stack(torch._foreach_norm(list(tensors))).tolist()
+
+
+def loose_bound(q: torch.Tensor, k: torch.Tensor, softmax_scale: float, norm_q: float | None = None,
+                norm_k: float | None = None) -> float:
     """``|scale| ||q||_F ||k||_F``, at least ``score_bound`` (a row's norm is at most its tensor's) and cheap:
-    one fused reduction over both tensors, one read. ``inf`` when an input is not finite (or the norm
-    overflows); 0 without tokens."""
+    one fused reduction over both tensors, one read (none when the caller has the ``norms``). ``inf`` when
+    an input is not finite (or the norm overflows); 0 without tokens."""
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    norm_q, norm_k = torch._foreach_norm([q, k])
-    bound = abs(softmax_scale) * float(norm_q) * float(norm_k)
+    if norm_q is None or norm_k is None:
+        norm_q, norm_k = norms(q, k)
+    bound = abs(softmax_scale) * norm_q * norm_k
     return bound if bound == bound else math.inf

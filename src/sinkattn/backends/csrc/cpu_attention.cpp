@@ -583,6 +583,37 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   });
 }
 
+// The sink joins the rows' softmax over keys (sinkattn/sink.py's with_sink and lse_of, natural units):
+// o [T, HQ, Dv] scaled in place, m / log_l [HQ, T] replaced by the final statistics, lse [HQ, T] written.
+void join_sink_op(at::Tensor o, at::Tensor m, at::Tensor log_l, const at::Tensor& sinks, at::Tensor lse) {
+  TORCH_CHECK(o.dim() == 3, "sinkattn_cpu: o must be [T, HQ, Dv]");
+  const int64_t T = o.size(0), HQ = o.size(1), Dv = o.size(2);
+  expect(o, "o", at::kFloat, {T, HQ, Dv});
+  expect(sinks, "sinks", at::kFloat, {HQ});
+  for (const at::Tensor* t : {&m, &log_l, &lse}) expect(*t, "a per-row tensor", at::kFloat, {HQ, T});
+  float *O = o.data_ptr<float>(), *M = m.data_ptr<float>(), *LL = log_l.data_ptr<float>(), *LSE = lse.data_ptr<float>();
+  const float* SK = sinks.data_ptr<float>();
+  auto finite_or_floor = [](float x) { return std::isfinite(x) ? x : kNegInf; };
+  parallel_tasks(HQ, [&](int64_t first, int64_t end, int64_t step) {
+    for (int64_t h = first; h < end; h += step) {
+      const float sink = SK[h];
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t at = h * T + t;
+        float c = std::max(finite_or_floor(M[at]), finite_or_floor(sink));   // sink.py's _shift
+        if (c == kNegInf) c = 0.0f;
+        const float mass_keys = std::exp((M[at] - c) + LL[at]);
+        const float z = mass_keys + std::exp(sink - c);
+        const float w = LL[at] == kNegInf ? 0.0f : mass_keys / z;   // a row without keys adds nothing
+        float* row = O + (t * HQ + h) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) row[d] *= w;
+        M[at] = c;
+        LL[at] = std::log(z);
+        LSE[at] = c + LL[at];
+      }
+    }
+  });
+}
+
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                 const at::Tensor& cu_k, const at::Tensor& bounds, double row_scale, double score_scale, int64_t BM,
                 int64_t BN, at::Tensor o, at::Tensor m, at::Tensor log_l) {
@@ -603,6 +634,7 @@ void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
 TORCH_LIBRARY(sinkattn_cpu, lib) {
   lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, int BM, int BN, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
+  lib.def("join_sink(Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l, Tensor sinks, Tensor(d!) lse) -> ()");
   lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor log_l, Tensor(a!) delta, "
           "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
@@ -612,4 +644,5 @@ TORCH_LIBRARY(sinkattn_cpu, lib) {
 TORCH_LIBRARY_IMPL(sinkattn_cpu, CPU, lib) {
   lib.impl("forward", &forward_op);
   lib.impl("backward", &backward_op);
+  lib.impl("join_sink", &join_sink_op);
 }
