@@ -1,7 +1,7 @@
 """CPU benchmark: sinkattn's cpu backend against torch SDPA and eager sink attention, same run.
 
     python benchmarks/cpu.py [--quick] [--repeats N] [--threads N] [--json FILE] [--sections S [S ...]]
-                             [--isa LEVEL]
+                             [--dtypes T [T ...]] [--isa LEVEL]
 
 Prints medians and ratios (never asserts a speed). The peers:
 
@@ -11,7 +11,7 @@ Prints medians and ratios (never asserts a speed). The peers:
   (``sinkattn.testing.eager``), scores materialized.
 
 Sections: (1) dense causal B=1, HQ=16, HKV=4, S=2048, D=64, fwd and fwd+bwd, in
-fp32 and bf16; (2) peak memory growth of fwd+bwd at S=16384, HQ=8, HKV=2, D=64,
+fp32, bf16 and fp16 (``--dtypes``); (2) peak memory growth of fwd+bwd at S=16384, HQ=8, HKV=2, D=64,
 fp32, each provider in a fresh process after a tiny warm-up call; (3) causal window (511, 0) against full
 causal at S=8192; (4) small shapes, fwd+bwd, where the cost per call is overheads more than arithmetic:
 dense causal HQ=4, HKV=2, D=32, fp32 at B=1 and S in {64, 128, 256}, B=4 at S=128, and a packed batch of
@@ -87,6 +87,7 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
 
 
 SECTIONS = ("speed", "memory", "window", "small")
+SPEED_DTYPES = ("float32", "bfloat16", "float16")
 
 SMALL = [bench.Problem(1, S, 4, 2, 32) for S in (64, 128, 256)] + [
     bench.Problem(4, 128, 4, 2, 32), bench.Problem(1, 256, 4, 2, 32, lens=(96, 40, 72, 48))]
@@ -113,6 +114,8 @@ def main(argv=None):
     ap = bench.script_parser(__doc__, repeats=5, quick="smaller shapes and fewer repeats (smoke run)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS,
                     help="the sections to run (default: all)")
+    ap.add_argument("--dtypes", nargs="+", choices=SPEED_DTYPES, default=SPEED_DTYPES,
+                    help="the dtypes of the speed section (default: all)")
     ap.add_argument("--isa", choices=list(isa.LEVELS),
                     help="run under this instruction-set ceiling (default: the CPU's own)")
     args = bench.parse_script_args(ap, argv)
@@ -130,7 +133,7 @@ def main(argv=None):
         rows += window(2, S=1024) if "window" in run else []
         rows += small(3, SMALL[:1] + SMALL[-1:]) if "small" in run else []
     else:
-        for dtype in ("float32", "bfloat16") if "speed" in run else ():
+        for dtype in args.dtypes if "speed" in run else ():
             rows += speed(dtype, args.repeats)
         rows += memory(threads=args.threads) if "memory" in run else []
         rows += window(max(2, args.repeats // 2)) if "window" in run else []

@@ -20,6 +20,9 @@ from sinkattn import __main__ as cli
 from sinkattn.backends import cpu
 from sinkattn.testing import bench, precision
 
+# pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
+pytestmark = pytest.mark.xdist_group("test_cli")
+
 
 def test_verify_passes_and_json_holds_the_table(tmp_path, capsys):
     out = tmp_path / "verify.json"

@@ -17,6 +17,9 @@ from sinkattn.testing.cp import (AUTOCAST_DTYPE, CASES, ERRORS, LENGTHS, PRECISI
                                  precision_inputs, spawn, spawn_precision)
 from sinkattn.masks import Window
 
+# pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
+pytestmark = pytest.mark.xdist_group("test_distributed")
+
 WORLD_SIZES = (2, 4)
 RTOL = 1e-5
 RTOL_AUTOCAST = 2 ** -7       # bf16 results: the ring's fp32 sums run in another order, then round to bf16 once

@@ -12,6 +12,9 @@ import torch
 import sinkattn
 from sinkattn.testing.tp import CASES, ERRORS, LENGTHS, heads, inputs, spawn
 
+# pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
+pytestmark = pytest.mark.xdist_group("test_dtensor")
+
 MESH_SIZES = (1, 2)
 
 

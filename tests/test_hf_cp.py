@@ -20,6 +20,9 @@ from sinkattn.hf import heads  # noqa: E402
 from sinkattn.testing import gpt_oss, hf_cp  # noqa: E402
 from sinkattn.testing.hf_cp import relative_error as rel  # noqa: E402
 
+# pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
+pytestmark = pytest.mark.xdist_group("test_hf_cp")
+
 NAME = sinkattn.hf.register()
 RTOL = 1e-5
 

@@ -13,6 +13,9 @@ import pytest
 
 import sinkattn
 
+# pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
+pytestmark = pytest.mark.xdist_group("test_packaging")
+
 ROOT = Path(__file__).resolve().parents[1]
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 """The Apache License 2.0 as published (apache.org's LICENSE-2.0.txt, Debian's common-licenses/Apache-2.0)."""

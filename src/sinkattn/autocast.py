@@ -24,11 +24,15 @@ ELIGIBLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """The dtypes autocast casts (its ``is_eligible``: floating point, not float64)."""
 
 
-@torch.compiler.assume_constant_result
 def _available(device_type: str) -> bool:
     """Whether autocast exists for ``device_type``: fixed for the process, so a traced call takes it as a
     constant (torch 2.11's Dynamo cannot trace ``torch.amp.is_autocast_available`` itself)."""
     return torch.amp.is_autocast_available(device_type)
+
+
+# torch.compiler.assume_constant_result's whole effect, without its import of Dynamo (a second or more
+# of every `import sinkattn`, a CLI's `--help` included); tests/test_autocast.py traces it
+_available._dynamo_marked_constant = True
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
