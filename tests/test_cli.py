@@ -165,6 +165,14 @@ def test_module_entry_point_help():
     assert run.returncode == 0 and "verify" in run.stdout and "bench" in run.stdout
 
 
+def test_importing_sinkattn_leaves_dynamo_unloaded():
+    """Dynamo costs about a second to import: a process that only imports sinkattn (a CLI's --help or
+    bad value) does not pay for it; the first custom-op call or compile loads it."""
+    code = "import sys, sinkattn, sinkattn.hf; print('torch._dynamo' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stdout + run.stderr[-2000:]
+
+
 
 # --- every option checked before any work ------------------------------------------------------------------------
 
