@@ -131,11 +131,12 @@ def _raised_or(fn, *args):
 
 
 def _raised(fn) -> tuple[str, str] | None:
-    try:
-        fn()
-    except Exception as exc:      # noqa: BLE001 - recorded for the test
-        return type(exc).__name__, str(exc)
-    return None
+    """``(type name, message)`` of what ``fn()`` raised, or None when it returned."""
+    return _raised_or(_called, fn)
+
+
+def _called(fn) -> None:
+    fn()
 
 
 def _refusals() -> dict:
