@@ -35,9 +35,9 @@ def test_training_call_passes_gate_a(case):
 def test_inference_call_passes_gate_a(case):
     """No gradient: the fused kernel's path where it takes the call (Dv = D), else the tiles."""
     x = case.make()
-    out, _ = verify.inference(case, x)
+    out, lse = verify.inference(case, x)
     assert out.shape == x.q.shape[:-1] + x.v.shape[-1:]
-    reports = verify.inference_reports(case)
+    reports = verify.inference_reports(case, x=x, results=(out, lse))
     assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
 
 

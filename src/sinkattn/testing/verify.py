@@ -69,10 +69,12 @@ def inference(case: Case, x: Inputs, backend: str = "cpu"):
                                      return_lse=True, backend=backend)
 
 
-def inference_reports(case: Case, backend: str = "cpu") -> list[precision.Report]:
-    """Gate A reports of ``o`` and ``lse`` of an inference call (``inference``) against the golden."""
-    x = case.make()
-    out, lse = inference(case, x, backend)
+def inference_reports(case: Case, backend: str = "cpu", x: Inputs | None = None,
+                      results: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[precision.Report]:
+    """Gate A reports of ``o`` and ``lse`` of an inference call (``inference``) against the golden: of the
+    call on ``x`` (the case's inputs by default), or of its ``results`` ``(o, lse)`` when the caller made it."""
+    x = case.make() if x is None else x
+    out, lse = inference(case, x, backend) if results is None else results
     gold = golden(case, x)
     return [precision.gate_a("o", out, gold[0]), precision.gate_a("lse", lse, gold[1], torch.float32)]
 
