@@ -302,6 +302,13 @@ inline void visible_cols(int64_t lo, int64_t hi, int64_t c0, int64_t c1, int64_t
   b = std::min(std::max(hi - c0, a), C);
 }
 
+// The columns of a chunk [c0, c0 + bn) that a block's products compute: its keys up to the block's last
+// (C = c1 - c0 of them) rounded up to a multiple of 32, so that a causal block's last chunk skips the keys
+// past its diagonal, with at most bn / 32 shapes per product.
+inline int64_t product_cols(int64_t C, int64_t bn) {
+  return std::min(bn, (C + 31) / 32 * 32);
+}
+
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                   const at::Tensor& cu_k, const at::Tensor& bounds_t, double row_scale, double score_scale,
                   int64_t BM, int64_t max_bn, at::Tensor& o, at::Tensor& m_out, at::Tensor& log_l_out) {
@@ -343,8 +350,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       const float* KTn = L.transposed(KT, task.h, task.n, S.D);    // the sequence's chunks
       const float* Vn = L.rows(VC, task.h, task.n, S.Dv);
       for (int64_t c0 = b.k0 / BNn * BNn; c0 < b.k1; c0 += BNn) {
-        const int64_t c1 = std::min(b.k1, c0 + BNn);
-        mm(Mp, BNn, S.D, qs, S.D, KTn + c0 / BNn * S.D * lds, lds, s, lds, false);
+        const int64_t c1 = std::min(b.k1, c0 + BNn), Nc = product_cols(c1 - c0, BNn);
+        mm(Mp, Nc, S.D, qs, S.D, KTn + c0 / BNn * S.D * lds, lds, s, lds, false);
         for (int64_t i = 0; i < M; ++i) {
           const int64_t r = i % rows.Rb, tok = tq0 + b.r0 + r;
           int64_t a, e;
@@ -355,7 +362,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const float c_new = std::isfinite(m_new) ? m_new : 0.0f;
           const float alpha = mx[i] == kNegInf ? 0.0f : std::exp(c[i] - c_new);
           std::fill(si, si + a, 0.0f);
-          std::fill(si + e, si + BNn, 0.0f);
+          std::fill(si + e, si + Nc, 0.0f);
           l[i] = l[i] * alpha + exp_shifted(si + a, e - a, c_new, 1.0f, at_floor);
           if (alpha != 1.0f) {
             float* ai = acc + i * S.Dv;
@@ -364,7 +371,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           mx[i] = m_new;
           c[i] = c_new;
         }
-        mm(Mp, S.Dv, BNn, s, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
+        mm(Mp, S.Dv, Nc, s, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
       }
       for (int64_t i = 0; i < M; ++i) {
         const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r, hq = task.h * S.G + g;
@@ -439,6 +446,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         float* pb = pbuf.get((kept ? tiles : 1) * Mp * ldc);
         float* dpb = dpbuf.get((kept ? tiles : 1) * Mp * ldc);
         auto tile = [&](float* buf, int64_t c0) { return kept ? buf + (c0 - c00) / BN * Mp * ldc : buf; };
+        auto cols = [&](int64_t c0) { return product_cols(std::min(b.k1, c0 + BN) - c0, BN); };   // computed
         gather_rows(Q, S.HQ, S.D, h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
         gather_rows(DO, S.HQ, S.Dv, h * S.G, S.G, tq0 + b.r0, rows.Rb, 1.0f, dos);
         std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
@@ -464,8 +472,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         const bool dominant = exact && dominant_possible;
         // P = e^(S - m) / l and dP = dO V^T of the chunk at c0 (keys [c0, c1) of the block) into p / dp
         auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp) {
-          mm(Mp, BN, S.D, qs, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
-          mm(Mp, BN, S.Dv, dos, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
+          const int64_t Nc = product_cols(c1 - c0, BN);
+          mm(Mp, Nc, S.D, qs, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
+          mm(Mp, Nc, S.Dv, dos, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
           for (int64_t i = 0; i < M; ++i) {
             const int64_t tok = tq0 + b.r0 + i % rows.Rb;
             int64_t a, e;
@@ -473,7 +482,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             float* pi = p + i * ldc;
             if (post != 1.0f) for (int64_t j = a; j < e; ++j) pi[j] *= post;
             std::fill(pi, pi + a, 0.0f);
-            std::fill(pi + e, pi + BN, 0.0f);
+            std::fill(pi + e, pi + Nc, 0.0f);
             exp_shifted(pi + a, e - a, mrow[i], ilrow[i], at_floor);
           }
         };
@@ -533,13 +542,14 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         };
         // whole chunks: dS is 0 outside the visible keys (P is), padded rows of Q, dO, P and dS are 0
         auto products = [&](const float* p, const float* ds, int64_t c0) {
-          mm(Mp, S.D, BN, ds, ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
-          mm(S.D, BN, Mp, qsT, Mp, ds, ldc, dKT + c0 / BN * S.D * ldc, ldc, true);     // dK^T += Qs^T dS
-          mm(S.Dv, BN, Mp, dosT, Mp, p, ldc, dVT + c0 / BN * S.Dv * ldc, ldc, true);   // dV^T += dO^T P
+          const int64_t Nc = cols(c0);
+          mm(Mp, S.D, Nc, ds, ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
+          mm(S.D, Nc, Mp, qsT, Mp, ds, ldc, dKT + c0 / BN * S.D * ldc, ldc, true);     // dK^T += Qs^T dS
+          mm(S.Dv, Nc, Mp, dosT, Mp, p, ldc, dVT + c0 / BN * S.Dv * ldc, ldc, true);   // dV^T += dO^T P
         };
         std::vector<float> fix;
         if (kept) {
-          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) make_ds(tile(pb, c0), tile(dpb, c0), ldc, BN);
+          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) make_ds(tile(pb, c0), tile(dpb, c0), ldc, cols(c0));
           if (dominant) {
             correction(fix);
             for (int64_t i = 0; i < M; ++i) tile(dpb, best_key[i] / BN * BN)[i * ldc + best_key[i] % BN] += fix[i];
@@ -548,7 +558,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         } else {
           for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
             probabilities(c0, std::min(b.k1, c0 + BN), pb, dpb);
-            make_ds(pb, dpb, ldc, BN);
+            make_ds(pb, dpb, ldc, cols(c0));
             products(pb, dpb, c0);
           }
           if (dominant) {
