@@ -113,15 +113,15 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
         return _dense(q, k, v, window, softmax_scale)
     q32, k32, v32 = q.float(), k.float(), v.float()
     Tq, HQ, D = q.shape
-    norm_q, norm_k, norm_v = norms(q32, k32, v32)
-    if math.isfinite(norm_q) and math.isfinite(norm_k) and loose_bound(q32, k32, softmax_scale, norm_q, norm_k) <= (
-            MAX_SCORE / 2):       # q, k finite and scores well inside fp32 (the loose bound rounded in fp32)
-        literal = not math.isfinite(norm_v)
-    else:
+    norm_q, norm_k, norm_v = norms(q32, k32, v32)          # what nonfinite.present reads, for all three at once
+    qk_finite = math.isfinite(norm_q) and math.isfinite(norm_k)
+    # the exact row-norm bound only when the loose one (rounded in fp32) is not well inside fp32
+    if not (qk_finite and loose_bound(q32, k32, softmax_scale, norm_q, norm_k) <= MAX_SCORE / 2):
         bound = score_bound(q32, k32, softmax_scale)
         check_fp32_range(bound, q32, k32)
-        # a finite, nonzero bound has finite norms: q and k are finite, only v is left to look at
-        literal = nonfinite.present(v32) or (not 0.0 < bound < math.inf and nonfinite.present(q32, k32))
+        # finite row norms mean finite q and k, even where their squares summed over all rows overflow
+        qk_finite = qk_finite or 0.0 < bound < math.inf
+    literal = not (qk_finite and math.isfinite(norm_v))
     out = buffers.new((Tq, HQ, v.shape[2]), torch.float32, q.device)          # [Tq, HQ, Dv]
     m = buffers.new((HQ, Tq), torch.float32, q.device)
     log_l = buffers.new((HQ, Tq), torch.float32, q.device)

@@ -472,7 +472,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         const bool dominant = exact && dominant_possible;
         // P = e^(S - m) / l and dP = dO V^T of the chunk at c0 (keys [c0, c1) of the block) into p / dp
         auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp) {
-          const int64_t Nc = product_cols(c1 - c0, BN);
+          const int64_t Nc = cols(c0);
           mm(Mp, Nc, S.D, qs, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
           mm(Mp, Nc, S.Dv, dos, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
           for (int64_t i = 0; i < M; ++i) {
