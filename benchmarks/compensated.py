@@ -1,6 +1,7 @@
 """Gate A over random packed batches with plain and with compensated low-precision products.
 
-    python benchmarks/compensated.py [--backend triton|cpu] [--seeds 32] [--threads N] [--json FILE] [--quick]
+    python benchmarks/compensated.py [--backend triton|cpu|cpu-kernel] [--seeds 32] [--threads N]
+                                      [--json FILE] [--quick]
 
 The batches are those of ``tests/test_random_packed.py::test_random_packed_batches_triton`` (seeds
 0..N-1, ``cases.random_packed`` at ``cases.INTERPRETER_RANDOM`` sizes), run through the interpreter
@@ -16,6 +17,10 @@ operands instead, as such a product reads them: ``q``, ``k``, ``v``, ``dO``
 are bf16 values already, ``P`` and ``dS`` are rounded to bf16 (plain), or ``P`` is rounded in ``P V``
 and split ``hi + lo`` (each bf16) in ``P^T dO`` and ``dS`` in ``dS K`` and ``dS^T Q`` (compensated).
 bf16 only (fp16 operands are not bf16 values); batches of 1-4 sequences of 0-160 tokens.
+
+``--backend cpu-kernel`` runs the same batches through the compiled kernel (``cpu_native``) with its fp32
+products and with the bf16 products that were built on that finding (``SINKATTN_CPU_PRODUCTS``: ``P``
+rounded in ``P V``, ``P`` and ``dS`` as ``hi + lo`` in the backward's products).
 """
 
 from __future__ import annotations
@@ -86,9 +91,27 @@ def _cpu_bf16_operands(compensated: bool):
             os.environ["SINKATTN_CPU_KERNEL"] = kernel
 
 
+@contextlib.contextmanager
+def _kernel_products(bf16: bool):
+    """The compiled kernel with its bf16 products (or its fp32 ones), for the duration."""
+    saved = {name: os.environ.get(name) for name in ("SINKATTN_CPU_KERNEL", "SINKATTN_CPU_PRODUCTS")}
+    os.environ.update(SINKATTN_CPU_KERNEL="compiled", SINKATTN_CPU_PRODUCTS="bf16" if bf16 else "fp32")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 SUBJECTS = {"triton": (_triton_products, DTYPES, cases.INTERPRETER_RANDOM, DEVICE),
-            "cpu": (_cpu_bf16_operands, {"bf16": torch.bfloat16}, CPU_SIZES, "cpu")}
+            "cpu": (_cpu_bf16_operands, {"bf16": torch.bfloat16}, CPU_SIZES, "cpu"),
+            "cpu-kernel": (_kernel_products, {"bf16": torch.bfloat16}, CPU_SIZES, "cpu")}
 """Per ``--backend``: how its products are switched, its dtypes, batch sizes and device."""
+LABELS = {"cpu-kernel": ("fp32 products", "bf16 products")}
+"""Per ``--backend``, the names of its two settings (default: plain and compensated products)."""
 
 
 def measure(backend: str, dtype: torch.dtype, compensated: bool, seeds: int) -> dict:
@@ -99,7 +122,7 @@ def measure(backend: str, dtype: torch.dtype, compensated: bool, seeds: int) -> 
     for seed in range(seeds):
         case = cases.random_packed(seed, dtype=dtype, **sizes)
         with products(compensated):
-            result = verify.run_case(case, backend, device=device)
+            result = verify.run_case(case, backend.removesuffix("-kernel"), device=device)
         if result.error:
             raise RuntimeError(f"{case.name}: {result.error}")
         if not result.passed:
@@ -118,7 +141,8 @@ def main(argv=None) -> dict:
     ap = bench.script_parser(__doc__, repeats=None, quick="smoke run: one seed (--seeds 1)")
     ap.add_argument("--seeds", type=int, default=32)
     ap.add_argument("--backend", choices=list(SUBJECTS), default="triton",
-                    help="whose products: the Triton kernels' (default) or the cpu backend's, given bf16 operands")
+                    help="whose products: the Triton kernels' (default), the cpu backend's given bf16 operands, "
+                         "or the compiled CPU kernel's fp32 and bf16 products")
     args = bench.parse_script_args(ap, argv)
     seeds = 1 if args.quick else args.seeds
     _, dtypes, _, device = SUBJECTS[args.backend]
@@ -128,12 +152,14 @@ def main(argv=None) -> dict:
             row = measure(args.backend, dtype, compensated, seeds)
             rows.append(row)
             worst = "  ".join(f"{t} {w['min_ratio']:.4f}" for t, w in row["worst"].items())
-            print(f"{name} {'compensated' if compensated else 'plain      '}: {row['failed']:3d} of "
+            label = LABELS.get(args.backend, ("plain", "compensated"))[compensated]
+            print(f"{name} {label:13s}: {row['failed']:3d} of "
                   f"{seeds} fail Gate A  (worst ratio: {worst})  [{row['wall_s']} s, {device}]")
             for f in row["failures"]:
                 print(f"    {f['case']}: {f['tensors']}")
     report = {"header": {**bench.header(device), "interpreter": args.backend == "triton" and device != "cuda"},
-              "command": "python benchmarks/compensated.py" + (" --backend cpu" if args.backend == "cpu" else "")
+              "command": "python benchmarks/compensated.py" + (f" --backend {args.backend}"
+                                                               if args.backend != "triton" else "")
                          + f" --seeds {seeds}" + (f" --threads {args.threads}" if args.threads else ""),
               "backend": args.backend, "rows": rows}
     bench.write_json(args.json, report)

@@ -15,8 +15,10 @@ fp32, bf16 and fp16 (``--dtypes``); (2) peak memory growth of fwd+bwd at S=16384
 fp32, each provider in a fresh process after a tiny warm-up call; (3) causal window (511, 0) against full
 causal at S=8192; (4) small shapes, fwd+bwd, where the cost per call is overheads more than arithmetic:
 dense causal HQ=4, HKV=2, D=32, fp32 at B=1 and S in {64, 128, 256}, B=4 at S=128, and a packed batch of
-short documents (lengths 96, 40, 72, 48; SDPA takes no packed batch). ``--threads`` applies to the
-processes of section (2) too.
+short documents (lengths 96, 40, 72, 48; SDPA takes no packed batch); (5) ``products``: section (1)'s
+shape in bf16, fwd and fwd+bwd, the compiled kernel's fp32 products against its bf16 ones
+(``SINKATTN_CPU_PRODUCTS=fp32`` / ``bf16``, ``sinkattn.backends.cpu_native``) and SDPA bf16, interleaved.
+``--threads`` applies to the processes of section (2) too.
 
 ``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
 oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without AVX-512 (or
@@ -86,7 +88,41 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
     return rows
 
 
-SECTIONS = ("speed", "memory", "window", "small")
+def _with_products(step, value: str):
+    """``step`` run with ``SINKATTN_CPU_PRODUCTS=value`` (its backward included)."""
+    def run():
+        saved = os.environ.get("SINKATTN_CPU_PRODUCTS")
+        os.environ["SINKATTN_CPU_PRODUCTS"] = value
+        try:
+            step()
+        finally:
+            if saved is None:
+                os.environ.pop("SINKATTN_CPU_PRODUCTS")
+            else:
+                os.environ["SINKATTN_CPU_PRODUCTS"] = saved
+    return run
+
+
+def products(repeats, S=2048, HQ=16, HKV=4, D=64):
+    """bf16 calls with the kernel's fp32 and bf16 products, and SDPA bf16, interleaved."""
+    p = bench.Problem(1, S, HQ, HKV, D, dtype="bfloat16")
+    inputs = bench.problem_inputs(p, "cpu")
+    ours, _ = bench.PROVIDERS["sinkattn"](p, *inputs)
+    sdpa, _ = bench.PROVIDERS["sdpa"](p, *inputs)
+    rows = []
+    for mode, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
+        steps = {f"{value}_products": _with_products(bench.mode_step(ours, inputs, mode), value)
+                 for value in ("fp32", "bf16")}
+        steps["sdpa"] = bench.mode_step(sdpa, inputs, mode)
+        t = bench.time_interleaved(steps, repeats)
+        rows.append(dict(section="products", mode=label, shape=f"B=1 HQ={HQ} HKV={HKV} S={S} D={D} causal bf16",
+                         seconds=t, bf16_vs_fp32_products=t["fp32_products"] / t["bf16_products"],
+                         bf16_products_vs_sdpa=t["sdpa"] / t["bf16_products"],
+                         fp32_products_vs_sdpa=t["sdpa"] / t["fp32_products"]))
+    return rows
+
+
+SECTIONS = ("speed", "memory", "window", "small", "products")
 SPEED_DTYPES = ("float32", "bfloat16", "float16")
 
 SMALL = [bench.Problem(1, S, 4, 2, 32) for S in (64, 128, 256)] + [
@@ -132,12 +168,14 @@ def main(argv=None):
         rows += memory(S=1024, threads=args.threads) if "memory" in run else []
         rows += window(2, S=1024) if "window" in run else []
         rows += small(3, SMALL[:1] + SMALL[-1:]) if "small" in run else []
+        rows += products(2, S=256) if "products" in run else []
     else:
         for dtype in args.dtypes if "speed" in run else ():
             rows += speed(dtype, args.repeats)
         rows += memory(threads=args.threads) if "memory" in run else []
         rows += window(max(2, args.repeats // 2)) if "window" in run else []
         rows += small(max(3, 40 * args.repeats)) if "small" in run else []
+        rows += products(args.repeats) if "products" in run else []
     info = bench.header()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
     for r in rows:
@@ -157,6 +195,12 @@ def main(argv=None):
                     else "sdpa      -   ")
             print(f"[small] {r['mode']:8s} sinkattn {t['sinkattn'] * 1e3:6.3f} ms | eager {t['eager'] * 1e3:6.3f} ms | "
                   f"vs eager {r['speed_vs_eager']:.2f}x | {sdpa}   ({r['shape']})")
+        elif r["section"] == "products":
+            t = r["seconds"]
+            print(f"[products] {r['mode']:8s} fp32 products {t['fp32_products'] * 1e3:8.1f} ms | bf16 products "
+                  f"{t['bf16_products'] * 1e3:8.1f} ms | sdpa {t['sdpa'] * 1e3:8.1f} ms | bf16 vs fp32 products "
+                  f"{r['bf16_vs_fp32_products']:.2f}x | bf16 products vs sdpa {r['bf16_products_vs_sdpa']:.2f}x   "
+                  f"({r['shape']})")
         else:
             t = r["seconds"]
             print(f"[window] {r['mode']:8s} causal {t['causal'] * 1e3:8.1f} ms | window (511,0) "

@@ -106,7 +106,8 @@ def test_cpu_benchmark_quick(tmp_path):
     assert report["header"]["threads"] == 1 and report["header"]["dispatch"] == "avx2"
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in report["header"]["ceiling"]
     rows = report["rows"]
-    assert [r["section"] for r in rows] == ["speed"] * 2 + ["memory"] * 3 + ["window"] * 2 + ["small"] * 2
+    assert [r["section"] for r in rows] == (["speed"] * 2 + ["memory"] * 3 + ["window"] * 2 + ["small"] * 2
+                                            + ["products"] * 2)
     for r in (r for r in rows if r["section"] == "speed"):
         t = r["seconds"]
         assert set(t) == {"sinkattn", "sdpa", "eager"} and all(timed(x) for x in t.values())
@@ -134,6 +135,12 @@ def test_cpu_benchmark_quick(tmp_path):
         assert f"vs eager {r['speed_vs_eager']:.2f}x" in stdout and r["shape"] in stdout
     assert dense["speed_vs_sdpa"] == quotient(dense["seconds"]["sdpa"], dense["seconds"]["sinkattn"])
     assert packed["speed_vs_sdpa"] is None
+    for r in (r for r in rows if r["section"] == "products"):
+        t = r["seconds"]
+        assert set(t) == {"fp32_products", "bf16_products", "sdpa"} and all(timed(x) for x in t.values())
+        assert r["bf16_vs_fp32_products"] == quotient(t["fp32_products"], t["bf16_products"])
+        assert r["bf16_products_vs_sdpa"] == quotient(t["sdpa"], t["bf16_products"])
+        assert f"bf16 vs fp32 products {r['bf16_vs_fp32_products']:.2f}x" in stdout and "S=256" in r["shape"]
 
 
 def test_products_benchmark_quick(tmp_path):
@@ -284,14 +291,15 @@ def test_hf_benchmark_ratio_has_no_value_when_the_peer_measured_zero():
     assert hf["_ratio"](1.0, 4.0) == 0.25
 
 
-@pytest.mark.parametrize("backend,dtypes", [("triton", ["float16", "bfloat16"]), ("cpu", ["bfloat16"])])
+@pytest.mark.parametrize("backend,dtypes", [("triton", ["float16", "bfloat16"]), ("cpu", ["bfloat16"]),
+                                            ("cpu-kernel", ["bfloat16"])])
 def test_compensated_benchmark_quick(tmp_path, backend, dtypes):
     stdout, report = _quick("compensated", tmp_path, "--backend", backend)
     rows = report["rows"]
     assert [(r["dtype"], r["compensated"], r["seeds"]) for r in rows] == [
         (dtype, compensated, 1) for dtype in dtypes for compensated in (False, True)]
-    assert report["command"] == "python benchmarks/compensated.py" + (" --backend cpu" if backend == "cpu" else "") \
-        + " --seeds 1"
+    assert report["command"] == "python benchmarks/compensated.py" + (f" --backend {backend}" if backend != "triton"
+                                                                     else "") + " --seeds 1"
     required = {t.required_ratio for t in precision.TOLERANCES.values()}
     assert len(required) == 1
     for r in rows:

@@ -4,7 +4,8 @@ PyTorch picks its CPU kernels per instruction set at start-up (``ATEN_CPU_CAPABI
 do the same (``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``). The cpu backend is built from those
 kernels, and its compiled kernel is built for the same level (``cpu_native``), so a CPU with fewer
 vector units (AVX2 only, or none: the scalar ``default`` kernels) runs other code for its exponentials,
-reductions, conversions and products. Each level below runs in a fresh
+reductions, conversions and products, bf16 products (``SINKATTN_CPU_PRODUCTS=bf16``) included. Each level
+below runs in a fresh
 process limited to it by ``sinkattn.testing.isa`` (which reports the capability it got, so a limit that
 did not take fails the test): training and inference calls in fp16, bf16 and fp32, windows, packed
 and dense, sharp scores, against the float64 golden (Gate A) with NaN-poisoned buffers, and the same
@@ -20,7 +21,7 @@ from sinkattn.backends import cpu_native
 from sinkattn.testing import isa
 
 _CHILD = """
-import json, torch
+import json, os, torch
 from sinkattn.backends import cpu_native
 from sinkattn.testing import cases, isa, verify
 torch.set_num_threads(1)
@@ -33,14 +34,17 @@ checks = [
     cases.Case("L2", 4, 4, (3, 1, 5, 16), (3, 9, 5, 16), D=16, dtype=torch.bfloat16),   # the short-sequence path
 ]
 out = {"capability": isa.capability(), "path": cpu_native.describe(), "failed": []}
-for case in checks:
-    result = verify.run_case(case, "cpu", repeats=2)
-    if not result.passed:
-        out["failed"].append([case.name, result.error, result.deterministic,
-                              [r.as_dict() for r in result.reports if not r.accepted]])
-    bad = [r.as_dict() for r in verify.inference_reports(case) if not r.gate_a]
-    if bad:
-        out["failed"].append([case.name + " inference", bad])
+for products in ("fp32", "bf16"):      # the compiled kernel's products of bf16 inputs
+    os.environ["SINKATTN_CPU_PRODUCTS"] = products
+    for case in checks if products == "fp32" else [c for c in checks if c.dtype == torch.bfloat16]:
+        name = f"{case.name} {products} products"
+        result = verify.run_case(case, "cpu", repeats=2)
+        if not result.passed:
+            out["failed"].append([name, result.error, result.deterministic,
+                                  [r.as_dict() for r in result.reports if not r.accepted]])
+        bad = [r.as_dict() for r in verify.inference_reports(case) if not r.gate_a]
+        if bad:
+            out["failed"].append([name + " inference", bad])
 print(json.dumps(out))
 """
 

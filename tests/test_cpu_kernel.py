@@ -4,6 +4,7 @@ inf). Both meet the standard (Gate A against the float64 golden, NaN-poisoned bu
 cases; ``SINKATTN_CPU_KERNEL`` chooses between them and a build that cannot happen is reported, never
 silently wrong."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -93,12 +94,52 @@ def test_both_paths_meet_the_standard(case, path, kernel, monkeypatch):
     assert (calls == []) == (path == "compiled")
 
 
+BF16_CASES = [dataclasses.replace(c, dtype=torch.bfloat16) for c in KERNEL_CASES] + [
+    cases.random_packed(seed, max_len=200, dtype=torch.bfloat16) for seed in (2, 13, 14, 15)]
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in BF16_CASES])
+def test_bf16_products_meet_the_standard(case, kernel):
+    """bf16 x bf16 -> fp32 products (``SINKATTN_CPU_PRODUCTS=bf16``) on every kernel case in bf16: with ``P``
+    and ``dS`` split ``hi + lo`` where the plain rounding fails (compensated.py --backend cpu: seed 2's dv)."""
+    kernel("compiled", SINKATTN_CPU_PRODUCTS="bf16")
+    result = verify.run_case(case, "cpu", repeats=2)
+    assert result.passed, describe(result)
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+def test_the_products_setting_chooses_the_products(kernel, monkeypatch):
+    """bf16 products change the bits of bf16 calls (``P`` is rounded in ``P V``) and of nothing else; ``auto``
+    takes them where bf16 products run on AMX tiles, and a wrong value is refused."""
+    kernel("compiled")
+    bf16, fp32 = (cases.random_packed(4, max_len=150, dtype=dtype) for dtype in (torch.bfloat16, torch.float32))
+    got = {}
+    for products in ("fp32", "bf16", "auto"):
+        monkeypatch.setenv("SINKATTN_CPU_PRODUCTS", products)
+        got[products] = [verify.outputs(c, c.make(), "cpu") for c in (bf16, fp32)]
+    same = {name: [all(torch.equal(a, b) for a, b in zip(x, y)) for x, y in zip(got["fp32"], results)]
+            for name, results in got.items()}
+    assert same["bf16"] == [False, True]
+    assert same["auto"] == [not cpu_native._matrix_units(), True]
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert cpu_native.bf16_products(bf16.make().q) and not cpu_native.bf16_products(fp32.make().q)
+    assert cpu_native.describe().endswith("bf16 inputs: bf16 products)")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")      # held below AVX512
+    assert not cpu_native.bf16_products(bf16.make().q)
+    monkeypatch.setenv("SINKATTN_CPU_PRODUCTS", "amx")
+    with pytest.raises(ValueError, match="SINKATTN_CPU_PRODUCTS='amx': expected one of auto, fp32, bf16"):
+        _call()
+
+
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, kernel):
+@pytest.mark.parametrize("products", ["fp32", "bf16"])
+def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, products, kernel):
     """Each task (a sequence's key-value head, or one row block of it) is one thread's, in a fixed order."""
-    kernel("compiled")
-    case = cases.random_packed(5, max_len=250, dtype=torch.float32)
+    kernel("compiled", SINKATTN_CPU_PRODUCTS=products)
+    case = cases.random_packed(5, max_len=250, dtype=torch.float32 if products == "fp32" else torch.bfloat16)
     x = case.make()
     before = torch.get_num_threads()
     try:
@@ -193,9 +234,10 @@ def test_a_fresh_process_builds_into_its_cache_and_the_next_one_loads_it(tmp_pat
 
 
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with(dtype, kernel):
-    kernel("compiled")
+@pytest.mark.parametrize("dtype,products", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+                                            (torch.bfloat16, "bf16")])
+def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with(dtype, products, kernel):
+    kernel("compiled", SINKATTN_CPU_PRODUCTS=products)
     g = torch.Generator().manual_seed(3)
     HQ, HKV, D = 6, 2, 40
     lens = [37, 300, 0, 129]

@@ -129,7 +129,8 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     native = None if literal else cpu_native.load()
     if native is not None and (needs_grad or softmax_scale <= 0 or v.shape[2] != D):
         native.forward(q32.contiguous(), k32.contiguous(), v32.contiguous(), *_sequences(batch, window),
-                       *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, out, m, log_l)
+                       *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, cpu_native.bf16_products(q, k, v), out, m,
+                       log_l)
         return out, sink.Stats(m, log_l)
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
     if not needs_grad and not literal and softmax_scale > 0 and v.shape[2] == D:
@@ -177,7 +178,8 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
                         none if dlse is None else dlse.float().contiguous(),
                         none if sink_mass is None else sink_mass.float().contiguous(),
                         *_sequences(batch, window), *_scales(softmax_scale), softmax_scale, not partial,
-                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, dq, dk, dv)
+                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do), dq,
+                        dk, dv)
         return dq, dk, dv, delta
     delta = sink.row_delta(do32, o, dlse)
     inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0

@@ -12,6 +12,13 @@ instruction set, into ``$SINKATTN_CACHE`` (default ``~/.cache/sinkattn``); later
 milliseconds. ``SINKATTN_CPU_KERNEL`` picks the path: ``auto`` (default: the compiled kernel, or
 ``cpu_tiles`` when it cannot be built: no compiler, a failed build, which warns once),
 ``compiled`` (an error when it cannot be built) or ``python`` (``cpu_tiles`` always).
+
+Products: the kernel multiplies in fp32, except for inputs that are bf16 (``q``, ``k``, ``v``, and ``dO`` in
+the backward) when ``SINKATTN_CPU_PRODUCTS`` says so: ``bf16`` takes bf16 x bf16 -> fp32 products for them
+(PyTorch's bf16 GEMM, oneMKL's: AMX or AVX512-BF16 units where the CPU has them, exact products of bf16
+values, fp32 sums), ``P`` rounded to bf16 in ``P V`` and ``P``, ``dS`` split as ``hi + lo`` (each bf16) in
+``dQ``, ``dK`` and ``dV``, the rounding that keeps the precision standard; ``fp32`` never does;
+``auto`` (default) does on a CPU with AMX tiles while PyTorch dispatches to AVX512 there (not held lower).
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODES", "mode", "compiler", "load", "available", "describe", "library_path"]
+__all__ = ["MODES", "PRODUCTS", "mode", "products", "bf16_products", "compiler", "load", "available", "describe",
+           "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 MODES = ("auto", "compiled", "python")
 _ENV = "SINKATTN_CPU_KERNEL"
+PRODUCTS = ("auto", "fp32", "bf16")
+_PRODUCTS_ENV = "SINKATTN_CPU_PRODUCTS"
 
 # instruction set -> compiler flags, as PyTorch builds its own kernels for each
 _ISA_FLAGS = {
@@ -52,6 +62,29 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f"{_ENV}={value!r}: expected one of {', '.join(MODES)}")
     return value
+
+
+def products() -> str:
+    """``SINKATTN_CPU_PRODUCTS``, checked: one of ``PRODUCTS``."""
+    value = os.environ.get(_PRODUCTS_ENV, "auto").strip().lower() or "auto"
+    if value not in PRODUCTS:
+        raise ValueError(f"{_PRODUCTS_ENV}={value!r}: expected one of {', '.join(PRODUCTS)}")
+    return value
+
+
+def _matrix_units() -> bool:
+    """Whether bf16 products run on AMX tiles here (the CPU has them, PyTorch's dispatch is not held below)."""
+    return torch.cpu._is_amx_tile_supported() and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
+
+
+def bf16_products(*inputs: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes bf16 products for a call of these inputs (the operands of its
+    products: ``q, k, v`` in the forward, and ``dO`` in the backward): all bf16, and the products mode
+    ``bf16``, or ``auto`` where ``_matrix_units``."""
+    chosen = products()
+    if not all(x.dtype == torch.bfloat16 for x in inputs):
+        return False
+    return chosen == "bf16" or (chosen == "auto" and _matrix_units())
 
 
 def compiler() -> str | None:
@@ -154,7 +187,8 @@ def describe() -> str:
         ops = None
     if ops is None:
         return f"PyTorch-op tiles (compiled kernel unavailable: {_state.get('error')})"
-    return f"compiled kernel ({_isa()}, {library_path().name})"
+    low = "bf16" if products() == "bf16" or (products() == "auto" and _matrix_units()) else "fp32"
+    return f"compiled kernel ({_isa()}, {library_path().name}; bf16 inputs: {low} products)"
 
 
 def _quiet_load():

@@ -26,6 +26,7 @@
 #include <exception>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -35,13 +36,17 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using bf16 = at::BFloat16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kExpFloor = -87.0f;   // cpu_tiles.EXP_FLOOR
 constexpr double kDominantFrom = 0.5;   // cpu_tiles.DOMINANT_FROM
 
-// Row-major C[M, N] (+)= A[M, K] B[K, N] on one thread (oneDNN's batch-reduce GEMM, or BLAS where it has none).
-void mm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-        int64_t ldc, bool add) {
+// Row-major C[M, N] (+)= A[M, K] B[K, N] on one thread, accumulated and returned in fp32. Operands T = float:
+// oneDNN's batch-reduce GEMM (BLAS where it has none); T = bf16: PyTorch's bf16 x bf16 -> fp32 GEMM (oneMKL's,
+// on AMX or AVX512-BF16 units where the CPU has them), whose products of bf16 values are exact.
+template <typename T>
+void mm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C, int64_t ldc,
+        bool add) {
   if (M == 0 || N == 0) return;
   if (K == 0) {
     if (!add) for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
@@ -109,14 +114,56 @@ float dot(const float* x, const float* y, int64_t n) {
   return acc.sum();
 }
 
+template <typename T = float>
 struct Aligned {
-  std::vector<float> data;
-  float* get(int64_t n) {
-    if ((int64_t)data.size() < n + 16) data.resize(n + 16);
+  std::vector<T> data;
+  T* get(int64_t n) {
+    constexpr int64_t slack = 64 / sizeof(T);
+    if ((int64_t)data.size() < n + slack) data.resize(n + slack);
     auto p = reinterpret_cast<uintptr_t>(data.data());
-    return data.data() + ((64 - p % 64) % 64) / sizeof(float);
+    return data.data() + ((64 - p % 64) % 64) / sizeof(T);
   }
 };
+
+// fp32 rows x [rows, n] (row stride ld) as the operands of a product of type T, in the same layout: for
+// T = float, x itself; for T = bf16, x rounded (hi = bf16(x)) and, for a compensated product, also the
+// rounding of what remains (lo = bf16(x - hi)): hi + lo holds x to about 16 bits, and the product is
+// taken as the sum of the products of both.
+template <typename T>
+struct Operands {
+  const T* part[2];
+  int count;
+};
+
+template <typename T>
+Operands<T> operands(const float* x, int64_t rows, int64_t n, int64_t ld, Aligned<T>& buf, bool compensated) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {{x, nullptr}, 1};
+  } else {
+    using VB = at::vec::Vectorized<bf16>;
+    bf16* hi = buf.get((compensated ? 2 : 1) * rows * ld);
+    bf16* lo = compensated ? hi + rows * ld : nullptr;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* xi = x + i * ld;
+      bf16 *hi_i = hi + i * ld, *lo_i = compensated ? lo + i * ld : nullptr;
+      int64_t j = 0;
+      for (; j + VB::size() <= n; j += VB::size()) {
+        const Vec a = Vec::loadu(xi + j), b = Vec::loadu(xi + j + Vec::size());
+        const VB h = at::vec::convert_from_float<bf16>(a, b);
+        h.store(hi_i + j);
+        if (compensated) {
+          auto [ah, bh] = at::vec::convert_to_float<bf16>(h);
+          at::vec::convert_from_float<bf16>(a - ah, b - bh).store(lo_i + j);
+        }
+      }
+      for (; j < n; ++j) {
+        hi_i[j] = bf16(xi[j]);
+        if (compensated) lo_i[j] = bf16(xi[j] - (float)hi_i[j]);
+      }
+    }
+    return {{hi, lo}, compensated ? 2 : 1};
+  }
+}
 
 // A row stride for n floats: a whole number of 64-byte lines, never a multiple of 1 KiB. Rows 4 KiB
 // apart share a cache set (and look alike to the store forwarding), which halves the products' speed
@@ -191,23 +238,26 @@ void parallel_tasks(int64_t n, const F& body) {
   body(0, n, 1);
 }
 
-// x [T, H, W] by sequence in chunks (Layout): each chunk transposed, [W, ld], or as rows, [bn, W].
+// x [T, H, W] by sequence in chunks (Layout), as operands of type T (x's values must be T's: the caller's
+// bf16 inputs): each chunk transposed, [W, ld], or as rows, [bn, W].
+template <typename T>
 at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Layout& L, bool transposed) {
   const int64_t H = x.size(1), W = x.size(2);
-  at::Tensor out = at::zeros({H, (transposed ? L.total_cols() : L.total_keys()) * W}, x.options());
+  at::Tensor out = at::zeros({H, (transposed ? L.total_cols() : L.total_keys()) * W},
+                             x.options().dtype(c10::CppTypeToScalarType<T>::value));
   const float* X = x.data_ptr<float>();
-  float* Y = out.data_ptr<float>();
+  T* Y = out.data_ptr<T>();
   parallel_tasks(H * N, [&](int64_t first, int64_t end, int64_t step) {
     for (int64_t t = first; t < end; t += step) {
       const int64_t h = t / N, n = t % N, bn = L.bn[n], ld = L.ld[n];
-      float* seq = transposed ? L.transposed(Y, h, n, W) : L.rows(Y, h, n, W);
+      T* seq = transposed ? L.transposed(Y, h, n, W) : L.rows(Y, h, n, W);
       for (int64_t j = 0; j < ck[n + 1] - ck[n]; ++j) {
         const float* src = X + ((ck[n] + j) * H + h) * W;
         if (transposed) {
-          float* chunk = seq + j / bn * W * ld;
-          for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % bn] = src[d];
+          T* chunk = seq + j / bn * W * ld;
+          for (int64_t d = 0; d < W; ++d) chunk[d * ld + j % bn] = T(src[d]);
         } else {
-          std::memcpy(seq + j * W, src, W * sizeof(float));
+          at::vec::convert(src, seq + j * W, W);
         }
       }
     }
@@ -309,6 +359,8 @@ inline int64_t product_cols(int64_t C, int64_t bn) {
   return std::min(bn, (C + 31) / 32 * 32);
 }
 
+// T: the products' operands (float, or bf16 for inputs that are bf16 values: P rounded to bf16 in P V).
+template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                   const at::Tensor& cu_k, const at::Tensor& bounds_t, double row_scale, double score_scale,
                   int64_t BM, int64_t max_bn, at::Tensor& o, at::Tensor& m_out, at::Tensor& log_l_out) {
@@ -317,8 +369,9 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(BM > 0 && max_bn > 0, "sinkattn_cpu: BM and BN must be positive");
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
   const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
-  const at::Tensor kt = chunked(k, ck, S.N, L, true), vc = chunked(v, ck, S.N, L, false);
-  const float *Q = q.data_ptr<float>(), *VC = vc.data_ptr<float>(), *KT = kt.data_ptr<float>();
+  const at::Tensor kt = chunked<T>(k, ck, S.N, L, true), vc = chunked<T>(v, ck, S.N, L, false);
+  const float* Q = q.data_ptr<float>();
+  const T *VC = vc.data_ptr<T>(), *KT = kt.data_ptr<T>();
   float *O = o.data_ptr<float>(), *Mo = m_out.data_ptr<float>(), *Lo = log_l_out.data_ptr<float>();
   const float at_floor = exp_floor_value();
   const float post = (float)score_scale;
@@ -330,7 +383,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t h = 0; h < S.HKV; ++h) tasks.push_back({n, h, b});
 
   parallel_tasks((int64_t)tasks.size(), [&](int64_t first, int64_t end, int64_t step) {
-    Aligned qbuf, sbuf, accbuf;
+    Aligned<> qbuf, sbuf, accbuf;
+    Aligned<T> qop, sop;
     std::vector<float> mx, c, l;
     for (int64_t t = first; t < end; t += step) {
       const Task& task = tasks[t];
@@ -343,15 +397,16 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       float* s = sbuf.get(Mp * lds);
       gather_rows(Q, S.HQ, S.D, task.h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
       std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
+      const T* qo = operands<T>(qs, Mp, S.D, S.D, qop, false).part[0];
       mx.assign(M, kNegInf);
       c.assign(M, 0.0f);
       l.assign(M, 0.0f);
       std::fill(acc, acc + Mp * S.Dv, 0.0f);
-      const float* KTn = L.transposed(KT, task.h, task.n, S.D);    // the sequence's chunks
-      const float* Vn = L.rows(VC, task.h, task.n, S.Dv);
+      const T* KTn = L.transposed(KT, task.h, task.n, S.D);    // the sequence's chunks
+      const T* Vn = L.rows(VC, task.h, task.n, S.Dv);
       for (int64_t c0 = b.k0 / BNn * BNn; c0 < b.k1; c0 += BNn) {
         const int64_t c1 = std::min(b.k1, c0 + BNn), Nc = product_cols(c1 - c0, BNn);
-        mm(Mp, Nc, S.D, qs, S.D, KTn + c0 / BNn * S.D * lds, lds, s, lds, false);
+        mm(Mp, Nc, S.D, qo, S.D, KTn + c0 / BNn * S.D * lds, lds, s, lds, false);
         for (int64_t i = 0; i < M; ++i) {
           const int64_t r = i % rows.Rb, tok = tq0 + b.r0 + r;
           int64_t a, e;
@@ -371,7 +426,8 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           mx[i] = m_new;
           c[i] = c_new;
         }
-        mm(Mp, S.Dv, Nc, s, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
+        const T* p = operands<T>(s, Mp, Nc, lds, sop, false).part[0];
+        mm(Mp, S.Dv, Nc, p, lds, Vn + c0 * S.Dv, S.Dv, acc, S.Dv, true);   // padded rows of s are 0
       }
       for (int64_t i = 0; i < M; ++i) {
         const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r, hq = task.h * S.G + g;
@@ -392,6 +448,8 @@ struct Optional {
   Optional(const at::Tensor& t) : p(t.numel() ? t.data_ptr<float>() : nullptr) {}
 };
 
+// T as in forward_impl; with bf16 operands, P and dS enter dQ, dK and dV compensated (hi + lo).
+template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& m_t, const at::Tensor& log_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
                    const at::Tensor& sink_t, const at::Tensor& cu_q, const at::Tensor& cu_k,
@@ -408,8 +466,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
   const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
-  const at::Tensor kt = chunked(k, ck, S.N, L, true), vt = chunked(v, ck, S.N, L, true), kc = chunked(k, ck, S.N, L, false);
-  const float *Q = q.data_ptr<float>(), *KC = kc.data_ptr<float>(), *KT = kt.data_ptr<float>(), *VT = vt.data_ptr<float>();
+  const at::Tensor kt = chunked<T>(k, ck, S.N, L, true), vt = chunked<T>(v, ck, S.N, L, true),
+                   kc = chunked<T>(k, ck, S.N, L, false);
+  const float* Q = q.data_ptr<float>();
+  const T *KC = kc.data_ptr<T>(), *KT = kt.data_ptr<T>(), *VT = vt.data_ptr<T>();
   const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *LL = log_l_t.data_ptr<float>();
   const float *DL = Optional(dlse_t).p, *SM = Optional(sink_t).p;
   float* DELTA = delta_t.data_ptr<float>();
@@ -418,7 +478,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   const float post = (float)score_scale;
 
   parallel_tasks(S.N * S.HKV, [&](int64_t first, int64_t end, int64_t step) {
-    Aligned qbuf, dobuf, qtbuf, dotbuf, pbuf, dpbuf, dqbuf, dkbuf, dvbuf;
+    Aligned<> qbuf, dobuf, pbuf, dpbuf, dqbuf, dkbuf, dvbuf;
+    Aligned<T> qop, doop, qtbuf, dotbuf, pop, dsop;
     std::vector<float> mrow, ilrow, drow;
     std::vector<double> ds_sum;
     std::vector<float> best;
@@ -431,9 +492,9 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       float* dVT = dvbuf.get(chunks * S.Dv * ldc);     // dV^T by chunk [chunks, Dv, ldc]
       std::fill(dKT, dKT + chunks * S.D * ldc, 0.0f);
       std::fill(dVT, dVT + chunks * S.Dv * ldc, 0.0f);
-      const float* Kh = L.rows(KC, h, n, S.D);    // the sequence's keys as rows, key j at j * D
-      const float* KTn = L.transposed(KT, h, n, S.D);
-      const float* VTn = L.transposed(VT, h, n, S.Dv);
+      const T* Kh = L.rows(KC, h, n, S.D);    // the sequence's keys as rows, key j at j * D
+      const T* KTn = L.transposed(KT, h, n, S.D);
+      const T* VTn = L.transposed(VT, h, n, S.Dv);
       const int64_t ldk = S.D;
       for (const Block& b : row_blocks(bounds, tq0, Lq, L.r[n])) {
         const Rows rows(b, S.G);
@@ -451,11 +512,13 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         gather_rows(DO, S.HQ, S.Dv, h * S.G, S.G, tq0 + b.r0, rows.Rb, 1.0f, dos);
         std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
         std::fill(dos + M * S.Dv, dos + Mp * S.Dv, 0.0f);
-        float* qsT = qtbuf.get(Mp * S.D);
-        float* dosT = dotbuf.get(Mp * S.Dv);
+        const T* qo = operands<T>(qs, Mp, S.D, S.D, qop, false).part[0];
+        const T* doo = operands<T>(dos, Mp, S.Dv, S.Dv, doop, false).part[0];
+        T* qsT = qtbuf.get(Mp * S.D);
+        T* dosT = dotbuf.get(Mp * S.Dv);
         for (int64_t i = 0; i < Mp; ++i) {
-          for (int64_t d = 0; d < S.D; ++d) qsT[d * Mp + i] = qs[i * S.D + d];
-          for (int64_t d = 0; d < S.Dv; ++d) dosT[d * Mp + i] = dos[i * S.Dv + d];
+          for (int64_t d = 0; d < S.D; ++d) qsT[d * Mp + i] = qo[i * S.D + d];
+          for (int64_t d = 0; d < S.Dv; ++d) dosT[d * Mp + i] = doo[i * S.Dv + d];
         }
         std::fill(dqs, dqs + Mp * S.D, 0.0f);
         mrow.resize(M);
@@ -473,8 +536,8 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         // P = e^(S - m) / l and dP = dO V^T of the chunk at c0 (keys [c0, c1) of the block) into p / dp
         auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp) {
           const int64_t Nc = cols(c0);
-          mm(Mp, Nc, S.D, qs, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
-          mm(Mp, Nc, S.Dv, dos, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
+          mm(Mp, Nc, S.D, qo, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
+          mm(Mp, Nc, S.Dv, doo, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
           for (int64_t i = 0; i < M; ++i) {
             const int64_t tok = tq0 + b.r0 + i % rows.Rb;
             int64_t a, e;
@@ -543,9 +606,13 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         // whole chunks: dS is 0 outside the visible keys (P is), padded rows of Q, dO, P and dS are 0
         auto products = [&](const float* p, const float* ds, int64_t c0) {
           const int64_t Nc = cols(c0);
-          mm(Mp, S.D, Nc, ds, ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
-          mm(S.D, Nc, Mp, qsT, Mp, ds, ldc, dKT + c0 / BN * S.D * ldc, ldc, true);     // dK^T += Qs^T dS
-          mm(S.Dv, Nc, Mp, dosT, Mp, p, ldc, dVT + c0 / BN * S.Dv * ldc, ldc, true);   // dV^T += dO^T P
+          const Operands<T> dso = operands<T>(ds, Mp, Nc, ldc, dsop, true), po = operands<T>(p, Mp, Nc, ldc, pop, true);
+          for (int part = 0; part < dso.count; ++part) {
+            mm(Mp, S.D, Nc, dso.part[part], ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
+            mm(S.D, Nc, Mp, qsT, Mp, dso.part[part], ldc, dKT + c0 / BN * S.D * ldc, ldc, true);   // dK^T += Qs^T dS
+          }
+          for (int part = 0; part < po.count; ++part)
+            mm(S.Dv, Nc, Mp, dosT, Mp, po.part[part], ldc, dVT + c0 / BN * S.Dv * ldc, ldc, true);   // dV^T += dO^T P
         };
         std::vector<float> fix;
         if (kept) {
@@ -565,10 +632,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
             correction(fix);
             for (int64_t i = 0; i < M; ++i) {
               if (fix[i] == 0.0f) continue;
-              const float* key = Kh + best_key[i] * ldk;
+              const T* key = Kh + best_key[i] * ldk;
               float* dqi = dqs + i * S.D;
               const float* qi = qs + i * S.D;
-              for (int64_t d = 0; d < S.D; ++d) dqi[d] += fix[i] * key[d];
+              for (int64_t d = 0; d < S.D; ++d) dqi[d] += fix[i] * (float)key[d];
               float* col = dKT + best_key[i] / BN * S.D * ldc + best_key[i] % BN;
               for (int64_t d = 0; d < S.D; ++d) col[d * ldc] += fix[i] * qi[d];
             }
@@ -626,16 +693,18 @@ void join_sink_op(at::Tensor o, at::Tensor m, at::Tensor log_l, const at::Tensor
 
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
                 const at::Tensor& cu_k, const at::Tensor& bounds, double row_scale, double score_scale, int64_t BM,
-                int64_t BN, at::Tensor o, at::Tensor m, at::Tensor log_l) {
-  forward_impl(q, k, v, cu_q, cu_k, bounds, row_scale, score_scale, BM, BN, o, m, log_l);
+                int64_t BN, bool bf16_products, at::Tensor o, at::Tensor m, at::Tensor log_l) {
+  (bf16_products ? forward_impl<bf16> : forward_impl<float>)(q, k, v, cu_q, cu_k, bounds, row_scale, score_scale, BM,
+                                                             BN, o, m, log_l);
 }
 
 void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& m, const at::Tensor& log_l, at::Tensor delta, const at::Tensor& dlse,
                  const at::Tensor& sink_mass, const at::Tensor& cu_q, const at::Tensor& cu_k,
                  const at::Tensor& bounds, double row_scale, double score_scale, double softmax_scale, bool exact,
-                 int64_t BM, int64_t BN, int64_t kept_elements, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
-  backward_impl(dout, q, k, v, m, log_l, delta, dlse, sink_mass, cu_q, cu_k, bounds, row_scale, score_scale,
+                 int64_t BM, int64_t BN, int64_t kept_elements, bool bf16_products, at::Tensor dq, at::Tensor dk,
+                 at::Tensor dv) {
+  (bf16_products ? backward_impl<bf16> : backward_impl<float>)(dout, q, k, v, m, log_l, delta, dlse, sink_mass, cu_q, cu_k, bounds, row_scale, score_scale,
                 softmax_scale, exact, BM, BN, kept_elements, dq, dk, dv);
 }
 
@@ -643,12 +712,12 @@ void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
 
 TORCH_LIBRARY(sinkattn_cpu, lib) {
   lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
-          "float score_scale, int BM, int BN, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
+          "float score_scale, int BM, int BN, bool bf16_products, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
   lib.def("join_sink(Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l, Tensor sinks, Tensor(d!) lse) -> ()");
   lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor log_l, Tensor(a!) delta, "
           "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
-          "Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
+          "bool bf16_products, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sinkattn_cpu, CPU, lib) {
