@@ -16,7 +16,7 @@ fp32, each provider in a fresh process after a tiny warm-up call; (3) causal win
 causal at S=8192; (4) small shapes, fwd+bwd, where the cost per call is overheads more than arithmetic:
 dense causal HQ=4, HKV=2, D=32, fp32 at B=1 and S in {64, 128, 256}, B=4 at S=128, and a packed batch of
 short documents (lengths 96, 40, 72, 48; SDPA takes no packed batch); (5) ``products``: section (1)'s
-shape in bf16, fwd and fwd+bwd, the compiled kernel's fp32 products against its bf16 ones
+shape in bf16, fwd+bwd and bwd, the compiled kernel's fp32 products against its bf16 ones
 (``SINKATTN_CPU_PRODUCTS=fp32`` / ``bf16``, ``sinkattn.backends.cpu_native``) and SDPA bf16, interleaved.
 ``--threads`` applies to the processes of section (2) too.
 
@@ -28,6 +28,7 @@ then records the ceiling). The header records the capability PyTorch took.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -88,31 +89,41 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
     return rows
 
 
-def _with_products(step, value: str):
-    """``step`` run with ``SINKATTN_CPU_PRODUCTS=value`` (its backward included)."""
+@contextlib.contextmanager
+def _products(value: str):
+    """``SINKATTN_CPU_PRODUCTS=value`` for the duration."""
+    saved = os.environ.get("SINKATTN_CPU_PRODUCTS")
+    os.environ["SINKATTN_CPU_PRODUCTS"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SINKATTN_CPU_PRODUCTS")
+        else:
+            os.environ["SINKATTN_CPU_PRODUCTS"] = saved
+
+
+def _with_products(fn, inputs, mode: str, value: str):
+    """``bench.mode_step`` made and run with ``SINKATTN_CPU_PRODUCTS=value`` (a ``bwd`` step's forward included)."""
+    with _products(value):
+        step = bench.mode_step(fn, inputs, mode)
+
     def run():
-        saved = os.environ.get("SINKATTN_CPU_PRODUCTS")
-        os.environ["SINKATTN_CPU_PRODUCTS"] = value
-        try:
+        with _products(value):
             step()
-        finally:
-            if saved is None:
-                os.environ.pop("SINKATTN_CPU_PRODUCTS")
-            else:
-                os.environ["SINKATTN_CPU_PRODUCTS"] = saved
     return run
 
 
 def products(repeats, S=2048, HQ=16, HKV=4, D=64):
-    """bf16 calls with the kernel's fp32 and bf16 products, and SDPA bf16, interleaved."""
+    """bf16 training calls with the kernel's fp32 and bf16 products, and SDPA bf16, interleaved (a call
+    without gradients runs PyTorch's fused kernel, not these products)."""
     p = bench.Problem(1, S, HQ, HKV, D, dtype="bfloat16")
     inputs = bench.problem_inputs(p, "cpu")
     ours, _ = bench.PROVIDERS["sinkattn"](p, *inputs)
     sdpa, _ = bench.PROVIDERS["sdpa"](p, *inputs)
     rows = []
-    for mode, label in (("fwd", "fwd"), ("fwdbwd", "fwd+bwd")):
-        steps = {f"{value}_products": _with_products(bench.mode_step(ours, inputs, mode), value)
-                 for value in ("fp32", "bf16")}
+    for mode, label in (("fwdbwd", "fwd+bwd"), ("bwd", "bwd")):
+        steps = {f"{value}_products": _with_products(ours, inputs, mode, value) for value in ("fp32", "bf16")}
         steps["sdpa"] = bench.mode_step(sdpa, inputs, mode)
         t = bench.time_interleaved(steps, repeats)
         rows.append(dict(section="products", mode=label, shape=f"B=1 HQ={HQ} HKV={HKV} S={S} D={D} causal bf16",
