@@ -18,7 +18,10 @@ dense causal HQ=4, HKV=2, D=32, fp32 at B=1 and S in {64, 128, 256}, B=4 at S=12
 short documents (lengths 96, 40, 72, 48; SDPA takes no packed batch); (5) ``products``: section (1)'s
 shape in bf16, fwd+bwd and bwd, the compiled kernel's fp32 products against its bf16 ones
 (``SINKATTN_CPU_PRODUCTS=fp32`` / ``bf16``, ``sinkattn.backends.cpu_native``) and SDPA bf16, interleaved.
-``--threads`` applies to the processes of section (2) too.
+(6) ``split``: fp32 causal B=1, HQ=16, S=2048, D=64 fwd+bwd at HKV=1 and HKV=4, the compiled backward's
+fused tasks (one per sequence and KV head) against its split passes (``cpu.BACKWARD_SPLIT``; ``auto`` takes
+them where the fused tasks would keep at most half of the threads busy), interleaved. ``--threads`` applies
+to the processes of section (2) too.
 
 ``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
 oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without AVX-512 (or
@@ -133,7 +136,35 @@ def products(repeats, S=2048, HQ=16, HKV=4, D=64):
     return rows
 
 
-SECTIONS = ("speed", "memory", "window", "small", "products")
+def _with_split(step, value: int):
+    def run():
+        from sinkattn.backends import cpu
+        saved, cpu.BACKWARD_SPLIT = cpu.BACKWARD_SPLIT, value
+        try:
+            step()
+        finally:
+            cpu.BACKWARD_SPLIT = saved
+    return run
+
+
+def split(repeats, S=2048, HQ=16, D=64):
+    """fwd+bwd with the backward's fused tasks and with its split passes, interleaved."""
+    import torch
+    rows = []
+    for HKV in (1, 4):
+        p = bench.Problem(1, S, HQ, HKV, D)
+        inputs = bench.problem_inputs(p, "cpu")
+        fn, _ = bench.PROVIDERS["sinkattn"](p, *inputs)
+        steps = {name: _with_split(bench.mode_step(fn, inputs, "fwdbwd"), value)
+                 for name, value in (("fused", 1), ("split", 2))}
+        t = bench.time_interleaved(steps, repeats)
+        rows.append(dict(section="split", mode="fwd+bwd", shape=f"B=1 HQ={HQ} HKV={HKV} S={S} D={D} causal fp32",
+                         seconds=t, split_vs_fused=t["fused"] / t["split"],
+                         auto="split" if 2 * HKV <= torch.get_num_threads() else "fused"))
+    return rows
+
+
+SECTIONS = ("speed", "memory", "window", "small", "products", "split")
 SPEED_DTYPES = ("float32", "bfloat16", "float16")
 
 SMALL = [bench.Problem(1, S, 4, 2, 32) for S in (64, 128, 256)] + [
@@ -180,6 +211,7 @@ def main(argv=None):
         rows += window(2, S=1024) if "window" in run else []
         rows += small(3, SMALL[:1] + SMALL[-1:]) if "small" in run else []
         rows += products(2, S=256) if "products" in run else []
+        rows += split(2, S=256) if "split" in run else []
     else:
         for dtype in args.dtypes if "speed" in run else ():
             rows += speed(dtype, args.repeats)
@@ -187,6 +219,7 @@ def main(argv=None):
         rows += window(max(2, args.repeats // 2)) if "window" in run else []
         rows += small(max(3, 40 * args.repeats)) if "small" in run else []
         rows += products(args.repeats) if "products" in run else []
+        rows += split(args.repeats) if "split" in run else []
     info = bench.header()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
     for r in rows:
@@ -212,6 +245,10 @@ def main(argv=None):
                   f"{t['bf16_products'] * 1e3:8.1f} ms | sdpa {t['sdpa'] * 1e3:8.1f} ms | bf16 vs fp32 products "
                   f"{r['bf16_vs_fp32_products']:.2f}x | bf16 products vs sdpa {r['bf16_products_vs_sdpa']:.2f}x   "
                   f"({r['shape']})")
+        elif r["section"] == "split":
+            t = r["seconds"]
+            print(f"[split] {r['mode']:8s} fused {t['fused'] * 1e3:8.1f} ms | split {t['split'] * 1e3:8.1f} ms | "
+                  f"split vs fused {r['split_vs_fused']:.2f}x | auto takes {r['auto']}   ({r['shape']})")
         else:
             t = r["seconds"]
             print(f"[window] {r['mode']:8s} causal {t['causal'] * 1e3:8.1f} ms | window (511,0) "

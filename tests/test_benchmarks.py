@@ -107,7 +107,7 @@ def test_cpu_benchmark_quick(tmp_path):
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in report["header"]["ceiling"]
     rows = report["rows"]
     assert [r["section"] for r in rows] == (["speed"] * 2 + ["memory"] * 3 + ["window"] * 2 + ["small"] * 2
-                                            + ["products"] * 2)
+                                            + ["products"] * 2 + ["split"] * 2)
     for r in (r for r in rows if r["section"] == "speed"):
         t = r["seconds"]
         assert set(t) == {"sinkattn", "sdpa", "eager"} and all(timed(x) for x in t.values())
@@ -141,6 +141,14 @@ def test_cpu_benchmark_quick(tmp_path):
         assert r["bf16_vs_fp32_products"] == quotient(t["fp32_products"], t["bf16_products"])
         assert r["bf16_products_vs_sdpa"] == quotient(t["sdpa"], t["bf16_products"])
         assert f"bf16 vs fp32 products {r['bf16_vs_fp32_products']:.2f}x" in stdout and "S=256" in r["shape"]
+    one, four = (r for r in rows if r["section"] == "split")
+    assert "HKV=1 " in one["shape"] and "HKV=4 " in four["shape"]
+    assert one["auto"] == "fused" and four["auto"] == "fused"        # one thread: no thread is idle
+    for r in (one, four):
+        t = r["seconds"]
+        assert set(t) == {"fused", "split"} and all(timed(x) for x in t.values())
+        assert r["split_vs_fused"] == quotient(t["fused"], t["split"])
+        assert f"split vs fused {r['split_vs_fused']:.2f}x | auto takes {r['auto']}" in stdout
 
 
 def test_products_benchmark_quick(tmp_path):

@@ -133,13 +133,39 @@ def test_the_products_setting_chooses_the_products(kernel, monkeypatch):
         _call()
 
 
+SPLIT_CASES = KERNEL_CASES + [cases.random_packed(seed, max_len=300) for seed in (13, 15)]
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in SPLIT_CASES])
+def test_the_split_backward_gives_the_fused_backwards_bits(case, kept, kernel, monkeypatch):
+    """The backward's two passes (dQ by row block, then dK/dV by chunk of keys: more tasks for more threads)
+    against its one fused pass: the same bits, with each row block's P, dP kept or recomputed (where the
+    dominant-key correction is folded into dS, or added after the products), in fp32 and bf16 products."""
+    from sinkattn.backends import cpu
+    kernel("compiled", SINKATTN_CPU_PRODUCTS="bf16")
+    if not kept:
+        monkeypatch.setattr(cpu_tiles, "KEPT_ELEMENTS", 1)
+    x = case.make()
+    got = []
+    for split in (1, 2):
+        monkeypatch.setattr(cpu, "BACKWARD_SPLIT", split)
+        got.append(verify.outputs(case, x, "cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("products", ["fp32", "bf16"])
-def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, products, kernel):
-    """Each task (a sequence's key-value head, or one row block of it) is one thread's, in a fixed order."""
+@pytest.mark.parametrize("products,case", [
+    ("fp32", cases.random_packed(5, max_len=250, dtype=torch.float32)),
+    ("bf16", cases.random_packed(5, max_len=250, dtype=torch.bfloat16)),
+    ("fp32", C("L2", 2, 2, (300,), D=32, causal=True, dtype=torch.float32)),   # one task: split passes above 1
+], ids=["fp32", "bf16", "one-kv-head"])
+def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, products, case, kernel):
+    """Each task (a sequence's key-value head, one row block of it, or a chunk of its keys) is one thread's,
+    in a fixed order."""
     kernel("compiled", SINKATTN_CPU_PRODUCTS=products)
-    case = cases.random_packed(5, max_len=250, dtype=torch.float32 if products == "fp32" else torch.bfloat16)
     x = case.make()
     before = torch.get_num_threads()
     try:

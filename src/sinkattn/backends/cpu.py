@@ -49,6 +49,12 @@ _NEG_INF = float("-inf")
 NATIVE_BM = 128
 """Stacked rows (``G`` heads times positions) per row block of the compiled kernel."""
 
+BACKWARD_SPLIT = 0
+"""The compiled backward's tasks: 0 (``auto``) its split passes (dQ by row block, then dK/dV by chunk of keys:
+seven products per tile where the fused pass has five) when its fused tasks (one per sequence and KV head)
+would keep at most half of torch's threads busy, 1 always the fused tasks, 2 always the split passes.
+The results are the same bits either way."""
+
 
 def _scales(softmax_scale: float) -> tuple[float, float]:
     """The compiled kernel's ``(row_scale, score_scale)``: ``cpu_tiles.row_scale`` / ``score_scale``, 1 for none."""
@@ -178,8 +184,8 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
                         none if dlse is None else dlse.float().contiguous(),
                         none if sink_mass is None else sink_mass.float().contiguous(),
                         *_sequences(batch, window), *_scales(softmax_scale), softmax_scale, not partial,
-                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do), dq,
-                        dk, dv)
+                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do),
+                        BACKWARD_SPLIT, dq, dk, dv)
         return dq, dk, dv, delta
     delta = sink.row_delta(do32, o, dlse)
     inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0

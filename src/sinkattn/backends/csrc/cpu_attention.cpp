@@ -448,213 +448,328 @@ struct Optional {
   Optional(const at::Tensor& t) : p(t.numel() ? t.data_ptr<float>() : nullptr) {}
 };
 
+// What one pass over a row block computes (backward_impl): everything (Fused); dQ, Delta and each row's
+// dominant-key correction (DQ); or dK and dV of one chunk of keys from the Delta and corrections that the
+// DQ pass left (DKV). The split passes add every product and correction in the fused pass's order, so
+// their results are its bits; they give a sequence's key-value head more than one thread.
+enum class Pass { Fused, DQ, DKV };
+
+// One thread's buffers for its row blocks
+template <typename T>
+struct Scratch {
+  Aligned<> qbuf, dobuf, pbuf, dpbuf, dqbuf;
+  Aligned<T> qop, doop, qtbuf, dotbuf, pop, dsop;
+  std::vector<float> mrow, ilrow, drow, sums, best, fix;
+  std::vector<double> ds_sum;
+  std::vector<int64_t> best_key;
+};
+
+// The backward's inputs and outputs as the row blocks read and write them.
+template <typename T>
+struct Backward {
+  Shape S;
+  const Layout& L;
+  const int64_t *cq, *ck, *bounds;
+  const float *Q, *DO, *Mst, *LL, *DL, *SM;   // DL (dlse), SM (sink mass): null for none
+  const T *KC, *KT, *VT;                      // keys as rows, keys and values transposed, by chunk (Layout)
+  float *DELTA, *DQ;
+  float* FIX;          // [HQ, Tq]: a row's dominant-key correction of dS (DQ pass), 0 for none
+  int64_t* BEST;       // [HQ, Tq]: its key (-1: none)
+  float at_floor, post, row_scale, softmax_scale;
+  bool exact;
+  int64_t kept_elements;
+
+  // Row block b of sequence n, KV head h, in pass `pass`. dKT / dVT: dK^T / dV^T by chunk ([chunks, D, ld]
+  // for the fused pass; for DKV, [D, ld] / [Dv, ld] of the chunk at key c, the only one it computes).
+  void block(Scratch<T>& w, Pass pass, int64_t n, int64_t h, const Block& b, int64_t c, float* dKT,
+             float* dVT) const {
+    const int64_t tq0 = cq[n], BN = L.bn[n], ldc = L.ld[n], Mp = S.G * L.r[n];   // the sequence's tiles
+    const T* Kh = L.rows(KC, h, n, S.D);    // the sequence's keys as rows, key j at j * D
+    const T* KTn = L.transposed(KT, h, n, S.D);
+    const T* VTn = L.transposed(VT, h, n, S.Dv);
+    const int64_t ldk = S.D;
+    const Rows rows(b, S.G);
+    const int64_t M = rows.M, c00 = b.k0 / BN * BN;               // the block's first chunk starts at c00
+    const int64_t tiles = b.k1 > b.k0 ? (b.k1 - c00 + BN - 1) / BN : 0;
+    const bool kept = exact && Mp * tiles * BN <= kept_elements;   // P, dP of every chunk kept: [tiles, Mp, ldc]
+    const bool keep = kept && pass != Pass::DKV;                   // (DKV has one chunk)
+    const bool dq_pass = pass != Pass::DKV, dkv_pass = pass != Pass::DQ;
+    float* qs = w.qbuf.get(Mp * S.D);
+    float* dos = w.dobuf.get(Mp * S.Dv);
+    float* dqs = w.dqbuf.get(Mp * S.D);
+    float* pb = w.pbuf.get((keep ? tiles : 1) * Mp * ldc);
+    float* dpb = w.dpbuf.get((keep ? tiles : 1) * Mp * ldc);
+    auto tile = [&](float* buf, int64_t c0) { return keep ? buf + (c0 - c00) / BN * Mp * ldc : buf; };
+    auto cols = [&](int64_t c0) { return product_cols(std::min(b.k1, c0 + BN) - c0, BN); };   // computed
+    auto dk_chunk = [&](int64_t c0) { return pass == Pass::DKV ? dKT : dKT + c0 / BN * S.D * ldc; };
+    auto dv_chunk = [&](int64_t c0) { return pass == Pass::DKV ? dVT : dVT + c0 / BN * S.Dv * ldc; };
+    auto at = [&](int64_t i) { return (h * S.G + i / rows.Rb) * S.Tq + tq0 + b.r0 + i % rows.Rb; };
+    gather_rows(Q, S.HQ, S.D, h * S.G, S.G, tq0 + b.r0, rows.Rb, row_scale, qs);
+    gather_rows(DO, S.HQ, S.Dv, h * S.G, S.G, tq0 + b.r0, rows.Rb, 1.0f, dos);
+    std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
+    std::fill(dos + M * S.Dv, dos + Mp * S.Dv, 0.0f);
+    const T* qo = operands<T>(qs, Mp, S.D, S.D, w.qop, false).part[0];
+    const T* doo = operands<T>(dos, Mp, S.Dv, S.Dv, w.doop, false).part[0];
+    T* qsT = w.qtbuf.get(Mp * S.D);
+    T* dosT = w.dotbuf.get(Mp * S.Dv);
+    if (dkv_pass)
+      for (int64_t i = 0; i < Mp; ++i) {
+        for (int64_t d = 0; d < S.D; ++d) qsT[d * Mp + i] = qo[i * S.D + d];
+        for (int64_t d = 0; d < S.Dv; ++d) dosT[d * Mp + i] = doo[i * S.Dv + d];
+      }
+    std::fill(dqs, dqs + Mp * S.D, 0.0f);
+    std::vector<float>&mrow = w.mrow, &ilrow = w.ilrow, &drow = w.drow, &best = w.best, &fix = w.fix;
+    std::vector<int64_t>& best_key = w.best_key;
+    std::vector<double>& ds_sum = w.ds_sum;
+    mrow.resize(M);
+    ilrow.resize(M);
+    drow.resize(M);
+    bool dominant_possible = false;
+    for (int64_t i = 0; i < M; ++i) {
+      mrow[i] = Mst[at(i)];
+      ilrow[i] = LL[at(i)] == kNegInf ? 0.0f : std::exp(-LL[at(i)]);   // 1 / l; no key and no sink: P = 0
+      drow[i] = DELTA[at(i)];
+      dominant_possible = dominant_possible || ilrow[i] >= kDominantFrom;
+    }
+    const bool dominant = exact && dominant_possible;
+    // P = e^(S - m) / l and dP = dO V^T of the chunk at c0 (keys [c0, c1) of the block) into p / dp
+    auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp) {
+      const int64_t Nc = cols(c0);
+      mm(Mp, Nc, S.D, qo, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
+      mm(Mp, Nc, S.Dv, doo, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
+      for (int64_t i = 0; i < M; ++i) {
+        const int64_t tok = tq0 + b.r0 + i % rows.Rb;
+        int64_t a, e;
+        visible_cols(bounds[2 * tok], bounds[2 * tok + 1], c0, c1, a, e);
+        float* pi = p + i * ldc;
+        if (post != 1.0f) for (int64_t j = a; j < e; ++j) pi[j] *= post;
+        std::fill(pi, pi + a, 0.0f);
+        std::fill(pi + e, pi + Nc, 0.0f);
+        exp_shifted(pi + a, e - a, mrow[i], ilrow[i], at_floor);
+      }
+    };
+    const bool search = dominant && dq_pass;   // the DKV pass reads the corrections instead
+    if (search) {
+      ds_sum.assign(M, 0.0);
+      best.assign(M, -1.0f);
+      best_key.assign(M, 0);
+    }
+    auto see = [&](const float* p, int64_t ld, int64_t c0, int64_t C) {
+      for (int64_t i = 0; i < M; ++i) {
+        if (!(ilrow[i] >= kDominantFrom)) continue;     // P <= 1/l: no key of this row can dominate
+        const float* pi = p + i * ld;
+        for (int64_t j = 0; j < C; ++j)
+          if (pi[j] > best[i]) { best[i] = pi[j]; best_key[i] = c0 + j; }
+      }
+    };
+    if (exact && dq_pass) {   // Delta from the products themselves: sum_j P dP - dlse
+      std::vector<float>& sums = w.sums;
+      sums.assign(M, 0.0f);
+      for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
+        const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
+        float *p = tile(pb, c0), *dp = tile(dpb, c0);
+        probabilities(c0, c1, p, dp);
+        for (int64_t i = 0; i < M; ++i) sums[i] += dot(p + i * ldc, dp + i * ldc, C);
+        if (search) see(p, ldc, c0, C);
+      }
+      for (int64_t i = 0; i < M; ++i) {
+        drow[i] = DL ? sums[i] - DL[at(i)] : sums[i];
+        DELTA[at(i)] = drow[i];
+      }
+    }
+    auto make_ds = [&](const float* p, float* dp, int64_t ld, int64_t C) {   // dS = P (dP - Delta) over dp
+      for (int64_t i = 0; i < M; ++i) {
+        const float* pi = p + i * ld;
+        float* di = dp + i * ld;
+        const Vec vd(drow[i]);
+        int64_t j = 0;
+        for (; j + Vec::size() <= C; j += Vec::size())
+          ((Vec::loadu(di + j) - vd) * Vec::loadu(pi + j)).store(di + j);
+        if (j < C) ((Vec::loadu(di + j, C - j) - vd) * Vec::loadu(pi + j, C - j)).store(di + j, C - j);
+        if (search && ilrow[i] >= kDominantFrom) {
+          double acc = 0.0;
+          for (int64_t jj = 0; jj < C; ++jj) acc += (double)di[jj];
+          ds_sum[i] += acc;
+        }
+      }
+    };
+    auto correction = [&]() {   // fix[i]: what the row's dominant key adds to its dS
+      fix.assign(M, 0.0f);
+      for (int64_t i = 0; i < M; ++i) {
+        if (!(best[i] >= kDominantFrom)) continue;
+        double target = SM ? (double)SM[at(i)] * (double)drow[i] : 0.0;
+        if (DL) target += (double)DL[at(i)];
+        fix[i] = (float)(target - ds_sum[i]);
+      }
+    };
+    // whole chunks: dS is 0 outside the visible keys (P is), padded rows of Q, dO, P and dS are 0
+    auto products = [&](const float* p, const float* ds, int64_t c0) {
+      const int64_t Nc = cols(c0);
+      const Operands<T> dso = operands<T>(ds, Mp, Nc, ldc, w.dsop, true);
+      for (int part = 0; part < dso.count; ++part) {
+        if (dq_pass) mm(Mp, S.D, Nc, dso.part[part], ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
+        if (dkv_pass) mm(S.D, Nc, Mp, qsT, Mp, dso.part[part], ldc, dk_chunk(c0), ldc, true);   // dK^T += Qs^T dS
+      }
+      if (!dkv_pass) return;
+      const Operands<T> po = operands<T>(p, Mp, Nc, ldc, w.pop, true);
+      for (int part = 0; part < po.count; ++part)
+        mm(S.Dv, Nc, Mp, dosT, Mp, po.part[part], ldc, dv_chunk(c0), ldc, true);   // dV^T += dO^T P
+    };
+    // the correction of row i at key `key` added after the products: to dQ (dq_pass) and to dK (dkv_pass)
+    auto add_after = [&](int64_t i, int64_t key, float f) {
+      if (dq_pass) {
+        const T* k_row = Kh + key * ldk;
+        float* dqi = dqs + i * S.D;
+        for (int64_t d = 0; d < S.D; ++d) dqi[d] += f * (float)k_row[d];
+      }
+      if (dkv_pass) {
+        const float* qi = qs + i * S.D;
+        float* col = dk_chunk(key / BN * BN) + key % BN;
+        for (int64_t d = 0; d < S.D; ++d) col[d * ldc] += f * qi[d];
+      }
+    };
+    if (pass == Pass::DKV) {   // one chunk, the corrections from the DQ pass
+      const int64_t c1 = std::min(b.k1, c + BN);
+      auto mine = [&](int64_t i) { return dominant && BEST[at(i)] >= c && BEST[at(i)] < c1; };
+      probabilities(c, c1, pb, dpb);
+      make_ds(pb, dpb, ldc, cols(c));
+      if (kept)
+        for (int64_t i = 0; i < M; ++i)
+          if (mine(i)) dpb[i * ldc + BEST[at(i)] - c] += FIX[at(i)];
+      products(pb, dpb, c);
+      if (!kept)
+        for (int64_t i = 0; i < M; ++i)
+          if (mine(i) && FIX[at(i)] != 0.0f) add_after(i, BEST[at(i)], FIX[at(i)]);
+      return;
+    }
+    if (kept) {
+      for (int64_t c0 = c00; c0 < b.k1; c0 += BN) make_ds(tile(pb, c0), tile(dpb, c0), ldc, cols(c0));
+      if (dominant) {
+        correction();
+        for (int64_t i = 0; i < M; ++i)
+          if (best[i] >= kDominantFrom) tile(dpb, best_key[i] / BN * BN)[i * ldc + best_key[i] % BN] += fix[i];
+      }
+      for (int64_t c0 = c00; c0 < b.k1; c0 += BN) products(tile(pb, c0), tile(dpb, c0), c0);
+    } else {
+      for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
+        probabilities(c0, std::min(b.k1, c0 + BN), pb, dpb);
+        make_ds(pb, dpb, ldc, cols(c0));
+        products(pb, dpb, c0);
+      }
+      if (dominant) {
+        correction();
+        for (int64_t i = 0; i < M; ++i)
+          if (fix[i] != 0.0f) add_after(i, best_key[i], fix[i]);
+      }
+    }
+    if (pass == Pass::DQ && dominant)
+      for (int64_t i = 0; i < M; ++i) {
+        FIX[at(i)] = fix[i];
+        BEST[at(i)] = best[i] >= kDominantFrom ? best_key[i] : -1;
+      }
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r;
+      float* out = DQ + (tok * S.HQ + h * S.G + g) * S.D;
+      const float* src = dqs + i * S.D;
+      for (int64_t d = 0; d < S.D; ++d) out[d] = src[d] * softmax_scale;
+    }
+  }
+};
+
 // T as in forward_impl; with bf16 operands, P and dS enter dQ, dK and dV compensated (hi + lo).
+// split: 1 one fused pass per (sequence, KV head) task; 2 a dQ pass over row blocks, then a dK/dV pass over
+// chunks of keys (the same bits, more tasks, seven products per tile where the fused pass has five); 0 the
+// split passes where the fused tasks would keep at most half of the threads busy.
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& m_t, const at::Tensor& log_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
                    const at::Tensor& sink_t, const at::Tensor& cu_q, const at::Tensor& cu_k,
                    const at::Tensor& bounds_t, double row_scale, double score_scale, double softmax_scale,
-                   bool exact, int64_t BM, int64_t max_bn, int64_t kept_elements, at::Tensor& dq, at::Tensor& dk,
-                   at::Tensor& dv) {
+                   bool exact, int64_t BM, int64_t max_bn, int64_t kept_elements, int64_t split, at::Tensor& dq,
+                   at::Tensor& dk, at::Tensor& dv) {
   const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_t, &log_l_t, &delta_t});
   expect(dout, "dout", at::kFloat, {S.Tq, S.HQ, S.Dv});
   expect(dq, "dq", at::kFloat, q.sizes());
   expect(dk, "dk", at::kFloat, k.sizes());
   expect(dv, "dv", at::kFloat, v.sizes());
   TORCH_CHECK(BM > 0 && max_bn > 0, "sinkattn_cpu: BM and BN must be positive");
+  TORCH_CHECK(split >= 0 && split <= 2, "sinkattn_cpu: split must be 0, 1 or 2");
   if (dlse_t.numel()) expect(dlse_t, "dlse", at::kFloat, {S.HQ, S.Tq});
   if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
   const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
   const at::Tensor kt = chunked<T>(k, ck, S.N, L, true), vt = chunked<T>(v, ck, S.N, L, true),
                    kc = chunked<T>(k, ck, S.N, L, false);
-  const float* Q = q.data_ptr<float>();
-  const T *KC = kc.data_ptr<T>(), *KT = kt.data_ptr<T>(), *VT = vt.data_ptr<T>();
-  const float *DO = dout.data_ptr<float>(), *Mst = m_t.data_ptr<float>(), *LL = log_l_t.data_ptr<float>();
-  const float *DL = Optional(dlse_t).p, *SM = Optional(sink_t).p;
-  float* DELTA = delta_t.data_ptr<float>();
-  float *DQ = dq.data_ptr<float>(), *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
-  const float at_floor = exp_floor_value();
+  float *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
   const float post = (float)score_scale;
-
-  parallel_tasks(S.N * S.HKV, [&](int64_t first, int64_t end, int64_t step) {
-    Aligned<> qbuf, dobuf, pbuf, dpbuf, dqbuf, dkbuf, dvbuf;
-    Aligned<T> qop, doop, qtbuf, dotbuf, pop, dsop;
-    std::vector<float> mrow, ilrow, drow;
-    std::vector<double> ds_sum;
-    std::vector<float> best;
-    std::vector<int64_t> best_key;
-    for (int64_t task = first; task < end; task += step) {
-      const int64_t n = task / S.HKV, h = task % S.HKV;
-      const int64_t tq0 = cq[n], tk0 = ck[n], Lq = cq[n + 1] - tq0, Lk = ck[n + 1] - tk0;
-      const int64_t chunks = L.chunks[n], BN = L.bn[n], ldc = L.ld[n], Mp = S.G * L.r[n];   // the sequence's tiles
-      float* dKT = dkbuf.get(chunks * S.D * ldc);      // dK^T by chunk [chunks, D, ldc]
-      float* dVT = dvbuf.get(chunks * S.Dv * ldc);     // dV^T by chunk [chunks, Dv, ldc]
-      std::fill(dKT, dKT + chunks * S.D * ldc, 0.0f);
-      std::fill(dVT, dVT + chunks * S.Dv * ldc, 0.0f);
-      const T* Kh = L.rows(KC, h, n, S.D);    // the sequence's keys as rows, key j at j * D
-      const T* KTn = L.transposed(KT, h, n, S.D);
-      const T* VTn = L.transposed(VT, h, n, S.Dv);
-      const int64_t ldk = S.D;
-      for (const Block& b : row_blocks(bounds, tq0, Lq, L.r[n])) {
-        const Rows rows(b, S.G);
-        const int64_t M = rows.M, c00 = b.k0 / BN * BN;               // the block's first chunk starts at c00
-        const int64_t tiles = b.k1 > b.k0 ? (b.k1 - c00 + BN - 1) / BN : 0;
-        const bool kept = exact && Mp * tiles * BN <= kept_elements;   // P, dP of every chunk kept: [tiles, Mp, ldc]
-        float* qs = qbuf.get(Mp * S.D);
-        float* dos = dobuf.get(Mp * S.Dv);
-        float* dqs = dqbuf.get(Mp * S.D);
-        float* pb = pbuf.get((kept ? tiles : 1) * Mp * ldc);
-        float* dpb = dpbuf.get((kept ? tiles : 1) * Mp * ldc);
-        auto tile = [&](float* buf, int64_t c0) { return kept ? buf + (c0 - c00) / BN * Mp * ldc : buf; };
-        auto cols = [&](int64_t c0) { return product_cols(std::min(b.k1, c0 + BN) - c0, BN); };   // computed
-        gather_rows(Q, S.HQ, S.D, h * S.G, S.G, tq0 + b.r0, rows.Rb, (float)row_scale, qs);
-        gather_rows(DO, S.HQ, S.Dv, h * S.G, S.G, tq0 + b.r0, rows.Rb, 1.0f, dos);
-        std::fill(qs + M * S.D, qs + Mp * S.D, 0.0f);
-        std::fill(dos + M * S.Dv, dos + Mp * S.Dv, 0.0f);
-        const T* qo = operands<T>(qs, Mp, S.D, S.D, qop, false).part[0];
-        const T* doo = operands<T>(dos, Mp, S.Dv, S.Dv, doop, false).part[0];
-        T* qsT = qtbuf.get(Mp * S.D);
-        T* dosT = dotbuf.get(Mp * S.Dv);
-        for (int64_t i = 0; i < Mp; ++i) {
-          for (int64_t d = 0; d < S.D; ++d) qsT[d * Mp + i] = qo[i * S.D + d];
-          for (int64_t d = 0; d < S.Dv; ++d) dosT[d * Mp + i] = doo[i * S.Dv + d];
-        }
-        std::fill(dqs, dqs + Mp * S.D, 0.0f);
-        mrow.resize(M);
-        ilrow.resize(M);
-        drow.resize(M);
-        bool dominant_possible = false;
-        for (int64_t i = 0; i < M; ++i) {
-          const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
-          mrow[i] = Mst[at];
-          ilrow[i] = LL[at] == kNegInf ? 0.0f : std::exp(-LL[at]);   // 1 / l; no key and no sink: P = 0
-          drow[i] = DELTA[at];
-          dominant_possible = dominant_possible || ilrow[i] >= kDominantFrom;
-        }
-        const bool dominant = exact && dominant_possible;
-        // P = e^(S - m) / l and dP = dO V^T of the chunk at c0 (keys [c0, c1) of the block) into p / dp
-        auto probabilities = [&](int64_t c0, int64_t c1, float* p, float* dp) {
-          const int64_t Nc = cols(c0);
-          mm(Mp, Nc, S.D, qo, S.D, KTn + c0 / BN * S.D * ldc, ldc, p, ldc, false);
-          mm(Mp, Nc, S.Dv, doo, S.Dv, VTn + c0 / BN * S.Dv * ldc, ldc, dp, ldc, false);
-          for (int64_t i = 0; i < M; ++i) {
-            const int64_t tok = tq0 + b.r0 + i % rows.Rb;
-            int64_t a, e;
-            visible_cols(bounds[2 * tok], bounds[2 * tok + 1], c0, c1, a, e);
-            float* pi = p + i * ldc;
-            if (post != 1.0f) for (int64_t j = a; j < e; ++j) pi[j] *= post;
-            std::fill(pi, pi + a, 0.0f);
-            std::fill(pi + e, pi + Nc, 0.0f);
-            exp_shifted(pi + a, e - a, mrow[i], ilrow[i], at_floor);
-          }
-        };
-        if (dominant) {
-          ds_sum.assign(M, 0.0);
-          best.assign(M, -1.0f);
-          best_key.assign(M, 0);
-        }
-        auto see = [&](const float* p, int64_t ld, int64_t c0, int64_t C) {
-          for (int64_t i = 0; i < M; ++i) {
-            if (!(ilrow[i] >= kDominantFrom)) continue;     // P <= 1/l: no key of this row can dominate
-            const float* pi = p + i * ld;
-            for (int64_t j = 0; j < C; ++j)
-              if (pi[j] > best[i]) { best[i] = pi[j]; best_key[i] = c0 + j; }
-          }
-        };
-        if (exact) {   // Delta from the products themselves: sum_j P dP - dlse
-          std::vector<float> sums(M, 0.0f);
-          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
-            const int64_t c1 = std::min(b.k1, c0 + BN), C = c1 - c0;
-            float *p = tile(pb, c0), *dp = tile(dpb, c0);
-            probabilities(c0, c1, p, dp);
-            for (int64_t i = 0; i < M; ++i) sums[i] += dot(p + i * ldc, dp + i * ldc, C);
-            if (dominant) see(p, ldc, c0, C);
-          }
-          for (int64_t i = 0; i < M; ++i) {
-            const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
-            drow[i] = DL ? sums[i] - DL[at] : sums[i];
-            DELTA[at] = drow[i];
-          }
-        }
-        auto make_ds = [&](const float* p, float* dp, int64_t ld, int64_t C) {   // dS = P (dP - Delta) over dp
-          for (int64_t i = 0; i < M; ++i) {
-            const float* pi = p + i * ld;
-            float* di = dp + i * ld;
-            const Vec vd(drow[i]);
-            int64_t j = 0;
-            for (; j + Vec::size() <= C; j += Vec::size())
-              ((Vec::loadu(di + j) - vd) * Vec::loadu(pi + j)).store(di + j);
-            if (j < C) ((Vec::loadu(di + j, C - j) - vd) * Vec::loadu(pi + j, C - j)).store(di + j, C - j);
-            if (dominant && ilrow[i] >= kDominantFrom) {
-              double acc = 0.0;
-              for (int64_t jj = 0; jj < C; ++jj) acc += (double)di[jj];
-              ds_sum[i] += acc;
-            }
-          }
-        };
-        auto correction = [&](std::vector<float>& fix) {
-          fix.assign(M, 0.0f);
-          for (int64_t i = 0; i < M; ++i) {
-            if (!(best[i] >= kDominantFrom)) continue;
-            const int64_t g = i / rows.Rb, r = i % rows.Rb, at = (h * S.G + g) * S.Tq + tq0 + b.r0 + r;
-            double target = SM ? (double)SM[at] * (double)drow[i] : 0.0;
-            if (DL) target += (double)DL[at];
-            fix[i] = (float)(target - ds_sum[i]);
-          }
-        };
-        // whole chunks: dS is 0 outside the visible keys (P is), padded rows of Q, dO, P and dS are 0
-        auto products = [&](const float* p, const float* ds, int64_t c0) {
-          const int64_t Nc = cols(c0);
-          const Operands<T> dso = operands<T>(ds, Mp, Nc, ldc, dsop, true), po = operands<T>(p, Mp, Nc, ldc, pop, true);
-          for (int part = 0; part < dso.count; ++part) {
-            mm(Mp, S.D, Nc, dso.part[part], ldc, Kh + c0 * ldk, ldk, dqs, S.D, true);
-            mm(S.D, Nc, Mp, qsT, Mp, dso.part[part], ldc, dKT + c0 / BN * S.D * ldc, ldc, true);   // dK^T += Qs^T dS
-          }
-          for (int part = 0; part < po.count; ++part)
-            mm(S.Dv, Nc, Mp, dosT, Mp, po.part[part], ldc, dVT + c0 / BN * S.Dv * ldc, ldc, true);   // dV^T += dO^T P
-        };
-        std::vector<float> fix;
-        if (kept) {
-          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) make_ds(tile(pb, c0), tile(dpb, c0), ldc, cols(c0));
-          if (dominant) {
-            correction(fix);
-            for (int64_t i = 0; i < M; ++i) tile(dpb, best_key[i] / BN * BN)[i * ldc + best_key[i] % BN] += fix[i];
-          }
-          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) products(tile(pb, c0), tile(dpb, c0), c0);
-        } else {
-          for (int64_t c0 = c00; c0 < b.k1; c0 += BN) {
-            probabilities(c0, std::min(b.k1, c0 + BN), pb, dpb);
-            make_ds(pb, dpb, ldc, cols(c0));
-            products(pb, dpb, c0);
-          }
-          if (dominant) {
-            correction(fix);
-            for (int64_t i = 0; i < M; ++i) {
-              if (fix[i] == 0.0f) continue;
-              const T* key = Kh + best_key[i] * ldk;
-              float* dqi = dqs + i * S.D;
-              const float* qi = qs + i * S.D;
-              for (int64_t d = 0; d < S.D; ++d) dqi[d] += fix[i] * (float)key[d];
-              float* col = dKT + best_key[i] / BN * S.D * ldc + best_key[i] % BN;
-              for (int64_t d = 0; d < S.D; ++d) col[d * ldc] += fix[i] * qi[d];
-            }
-          }
-        }
-        for (int64_t i = 0; i < M; ++i) {
-          const int64_t g = i / rows.Rb, r = i % rows.Rb, tok = tq0 + b.r0 + r;
-          float* out = DQ + (tok * S.HQ + h * S.G + g) * S.D;
-          const float* src = dqs + i * S.D;
-          for (int64_t d = 0; d < S.D; ++d) out[d] = src[d] * (float)softmax_scale;
-        }
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const bool two_passes = split == 2 || (split == 0 && 2 * S.N * S.HKV <= threads);
+  std::vector<float> fix(two_passes ? S.HQ * S.Tq : 0, 0.0f);
+  std::vector<int64_t> best(two_passes ? S.HQ * S.Tq : 0, -1);
+  const Backward<T> B{S, L, cq, ck, bounds, q.data_ptr<float>(), dout.data_ptr<float>(), m_t.data_ptr<float>(),
+                      log_l_t.data_ptr<float>(), Optional(dlse_t).p, Optional(sink_t).p, kc.data_ptr<T>(),
+                      kt.data_ptr<T>(), vt.data_ptr<T>(), delta_t.data_ptr<float>(), dq.data_ptr<float>(),
+                      fix.data(), best.data(), exp_floor_value(), post, (float)row_scale, (float)softmax_scale,
+                      exact, kept_elements};
+  std::vector<std::vector<Block>> blocks(S.N);
+  for (int64_t n = 0; n < S.N; ++n) blocks[n] = row_blocks(bounds, cq[n], cq[n + 1] - cq[n], L.r[n]);
+  // dK, dV of keys [j0, j1) of sequence n, head h, from dK^T / dV^T chunks that start at key j0 / BN * BN
+  auto store = [&](int64_t n, int64_t h, int64_t j0, int64_t j1, const float* dKT, const float* dVT) {
+    const int64_t BN = L.bn[n], ldc = L.ld[n], first = j0 / BN * BN;
+    for (int64_t j = j0; j < j1; ++j) {
+      float* dkj = DK + ((ck[n] + j) * S.HKV + h) * S.D;
+      float* dvj = DV + ((ck[n] + j) * S.HKV + h) * S.Dv;
+      const int64_t chunk = (j - first) / BN, col = (j - first) % BN;
+      const float *kcol = dKT + chunk * S.D * ldc + col, *vcol = dVT + chunk * S.Dv * ldc + col;
+      for (int64_t d = 0; d < S.D; ++d) dkj[d] = kcol[d * ldc] * post;
+      for (int64_t d = 0; d < S.Dv; ++d) dvj[d] = vcol[d * ldc];
+    }
+  };
+  if (!two_passes) {
+    parallel_tasks(S.N * S.HKV, [&](int64_t first, int64_t end, int64_t step) {
+      Scratch<T> w;
+      Aligned<> dkbuf, dvbuf;
+      for (int64_t task = first; task < end; task += step) {
+        const int64_t n = task / S.HKV, h = task % S.HKV, chunks = L.chunks[n], ldc = L.ld[n];
+        float* dKT = dkbuf.get(chunks * S.D * ldc);      // dK^T by chunk [chunks, D, ldc]
+        float* dVT = dvbuf.get(chunks * S.Dv * ldc);     // dV^T by chunk [chunks, Dv, ldc]
+        std::fill(dKT, dKT + chunks * S.D * ldc, 0.0f);
+        std::fill(dVT, dVT + chunks * S.Dv * ldc, 0.0f);
+        for (const Block& b : blocks[n]) B.block(w, Pass::Fused, n, h, b, 0, dKT, dVT);
+        store(n, h, 0, ck[n + 1] - ck[n], dKT, dVT);
       }
-      for (int64_t j = 0; j < Lk; ++j) {
-        float* dkj = DK + ((tk0 + j) * S.HKV + h) * S.D;
-        float* dvj = DV + ((tk0 + j) * S.HKV + h) * S.Dv;
-        const float *kcol = dKT + j / BN * S.D * ldc + j % BN, *vcol = dVT + j / BN * S.Dv * ldc + j % BN;
-        for (int64_t d = 0; d < S.D; ++d) dkj[d] = kcol[d * ldc] * post;
-        for (int64_t d = 0; d < S.Dv; ++d) dvj[d] = vcol[d * ldc];
-      }
+      at::native::cpublas::brgemm_release(false);
+    });
+    return;
+  }
+  struct Task { int64_t n, h, i; };   // i: a row block (DQ) or a chunk (DKV) of sequence n
+  std::vector<Task> dq_tasks, dkv_tasks;
+  for (int64_t n = 0; n < S.N; ++n)
+    for (int64_t h = 0; h < S.HKV; ++h) {
+      for (int64_t i = 0; i < (int64_t)blocks[n].size(); ++i) dq_tasks.push_back({n, h, i});
+      for (int64_t i = 0; i < L.chunks[n]; ++i) dkv_tasks.push_back({n, h, i});
+    }
+  parallel_tasks((int64_t)dq_tasks.size(), [&](int64_t first, int64_t end, int64_t step) {
+    Scratch<T> w;
+    for (int64_t t = first; t < end; t += step) {
+      const Task& task = dq_tasks[t];
+      B.block(w, Pass::DQ, task.n, task.h, blocks[task.n][task.i], 0, nullptr, nullptr);
+    }
+    at::native::cpublas::brgemm_release(false);
+  });
+  parallel_tasks((int64_t)dkv_tasks.size(), [&](int64_t first, int64_t end, int64_t step) {
+    Scratch<T> w;
+    Aligned<> dkbuf, dvbuf;
+    for (int64_t t = first; t < end; t += step) {
+      const Task& task = dkv_tasks[t];
+      const int64_t n = task.n, BN = L.bn[n], ldc = L.ld[n], c = task.i * BN;
+      float* dKT = dkbuf.get(S.D * ldc);
+      float* dVT = dvbuf.get(S.Dv * ldc);
+      std::fill(dKT, dKT + S.D * ldc, 0.0f);
+      std::fill(dVT, dVT + S.Dv * ldc, 0.0f);
+      for (const Block& b : blocks[n])      // the blocks that see a key of the chunk, in order
+        if (b.k1 > b.k0 && b.k0 / BN * BN <= c && c < b.k1) B.block(w, Pass::DKV, n, task.h, b, c, dKT, dVT);
+      store(n, task.h, c, std::min(c + BN, ck[n + 1] - ck[n]), dKT, dVT);
     }
     at::native::cpublas::brgemm_release(false);
   });
@@ -702,10 +817,11 @@ void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& 
                  const at::Tensor& m, const at::Tensor& log_l, at::Tensor delta, const at::Tensor& dlse,
                  const at::Tensor& sink_mass, const at::Tensor& cu_q, const at::Tensor& cu_k,
                  const at::Tensor& bounds, double row_scale, double score_scale, double softmax_scale, bool exact,
-                 int64_t BM, int64_t BN, int64_t kept_elements, bool bf16_products, at::Tensor dq, at::Tensor dk,
-                 at::Tensor dv) {
-  (bf16_products ? backward_impl<bf16> : backward_impl<float>)(dout, q, k, v, m, log_l, delta, dlse, sink_mass, cu_q, cu_k, bounds, row_scale, score_scale,
-                softmax_scale, exact, BM, BN, kept_elements, dq, dk, dv);
+                 int64_t BM, int64_t BN, int64_t kept_elements, bool bf16_products, int64_t split, at::Tensor dq,
+                 at::Tensor dk, at::Tensor dv) {
+  (bf16_products ? backward_impl<bf16> : backward_impl<float>)(dout, q, k, v, m, log_l, delta, dlse, sink_mass, cu_q,
+                                                               cu_k, bounds, row_scale, score_scale, softmax_scale,
+                                                               exact, BM, BN, kept_elements, split, dq, dk, dv);
 }
 
 }  // namespace
@@ -717,7 +833,7 @@ TORCH_LIBRARY(sinkattn_cpu, lib) {
   lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor log_l, Tensor(a!) delta, "
           "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
-          "bool bf16_products, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
+          "bool bf16_products, int split, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sinkattn_cpu, CPU, lib) {
