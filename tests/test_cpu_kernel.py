@@ -161,7 +161,8 @@ def test_the_split_backward_gives_the_fused_backwards_bits(case, kept, kernel, m
     ("fp32", cases.random_packed(5, max_len=250, dtype=torch.float32)),
     ("bf16", cases.random_packed(5, max_len=250, dtype=torch.bfloat16)),
     ("fp32", C("L2", 2, 2, (300,), D=32, causal=True, dtype=torch.float32)),   # one task: split passes above 1
-], ids=["fp32", "bf16", "one-kv-head"])
+    ("bf16", C("L2", 2, 2, (300,), D=32, causal=True, dtype=torch.bfloat16)),
+], ids=["fp32", "bf16", "one-kv-head", "one-kv-head-bf16"])
 def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, products, case, kernel):
     """Each task (a sequence's key-value head, one row block of it, or a chunk of its keys) is one thread's,
     in a fixed order."""
