@@ -9,9 +9,11 @@
 //
 // A task is one sequence and one KV head: its G query heads are stacked as the rows of a block
 // (at most BM rows: R = BM / G positions of each head), its keys in chunks of at most BN, both sized
-// to the sequence (Layout). Tasks run in parallel; each result element is written by exactly one task,
-// in a fixed order, so results do not depend on the thread count. The products take fp32 operands, or
-// bf16 ones for inputs that are bf16 values (Operands: P and dS rounded, or split hi + lo).
+// to the sequence (Layout); the forward's tasks are its row blocks, and the backward's split passes
+// (backward_impl) take a row block or a chunk of keys. Tasks run in parallel; each result element is
+// written by exactly one task, in a fixed order, so results do not depend on the thread count. The
+// products take fp32 operands, or bf16 ones for inputs that are bf16 values (Operands: P and dS
+// rounded, or split hi + lo).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
