@@ -20,7 +20,8 @@ shape in bf16, fwd+bwd and bwd, the compiled kernel's fp32 products against its 
 (``SINKATTN_CPU_PRODUCTS=fp32`` / ``bf16``, ``sinkattn.backends.cpu_native``) and SDPA bf16, interleaved.
 (6) ``split``: fp32 causal B=1, HQ=16, S=2048, D=64 fwd+bwd at HKV=1 and HKV=4, the compiled backward's
 fused tasks (one per sequence and KV head) against its split passes (``cpu.BACKWARD_SPLIT``; ``auto`` takes
-them where the fused tasks would keep at most half of the threads busy), interleaved. ``--threads`` applies
+them where the fused tasks would keep at most half of the threads busy and the sequences have two
+chunks of keys), interleaved. ``--threads`` applies
 to the processes of section (2) too.
 
 ``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
@@ -148,8 +149,11 @@ def _with_split(step, value: int):
 
 
 def split(repeats, S=2048, HQ=16, D=64):
-    """fwd+bwd with the backward's fused tasks and with its split passes, interleaved."""
+    """fwd+bwd with the backward's fused tasks and with its split passes, interleaved; ``auto``: the kernel's
+    rule (the fused tasks keep at most half of the threads busy, the sequence has two chunks of keys)."""
     import torch
+
+    from sinkattn.backends import cpu_tiles
     rows = []
     for HKV in (1, 4):
         p = bench.Problem(1, S, HQ, HKV, D)
@@ -160,7 +164,7 @@ def split(repeats, S=2048, HQ=16, D=64):
         t = bench.time_interleaved(steps, repeats)
         rows.append(dict(section="split", mode="fwd+bwd", shape=f"B=1 HQ={HQ} HKV={HKV} S={S} D={D} causal fp32",
                          seconds=t, split_vs_fused=t["fused"] / t["split"],
-                         auto="split" if 2 * HKV <= torch.get_num_threads() else "fused"))
+                         auto="split" if 2 * HKV <= torch.get_num_threads() and S >= 2 * cpu_tiles.BN else "fused"))
     return rows
 
 

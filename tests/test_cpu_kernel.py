@@ -128,9 +128,6 @@ def test_the_products_setting_chooses_the_products(kernel, monkeypatch):
     assert cpu_native.describe().endswith("bf16 inputs: bf16 products)")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")      # held below AVX512
     assert not cpu_native.bf16_products(bf16.make().q)
-    monkeypatch.setenv("SINKATTN_CPU_PRODUCTS", "amx")
-    with pytest.raises(ValueError, match="SINKATTN_CPU_PRODUCTS='amx': expected one of auto, fp32, bf16"):
-        _call()
 
 
 SPLIT_CASES = KERNEL_CASES + [cases.random_packed(seed, max_len=300) for seed in (13, 15)]
@@ -179,17 +176,18 @@ def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, products, 
     assert all(torch.equal(a, b) for a, b in zip(one, other))
 
 
-def _call():
-    q = torch.randn(1, 40, 4, 16, requires_grad=True)
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("sinks", [True, False])
+@pytest.mark.parametrize("name,value,message", [
+    ("SINKATTN_CPU_KERNEL", "fast", "SINKATTN_CPU_KERNEL='fast': expected one of auto, compiled, python"),
+    ("SINKATTN_CPU_PRODUCTS", "amx", "SINKATTN_CPU_PRODUCTS='amx': expected one of auto, fp32, bf16")])
+def test_a_wrong_setting_is_refused_on_every_path(name, value, message, grad, sinks, kernel):
+    """Training and inference, with and without sinks, and the products setting on the PyTorch-op path too."""
+    kernel("python" if name == "SINKATTN_CPU_PRODUCTS" and not grad else "auto", **{name: value})
+    q = torch.randn(1, 40, 4, 16, requires_grad=grad)
     k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
-    sinkattn.sink_attn_func(q, k, v, sinks=torch.zeros(4), causal=True).sum().backward()
-    return q.grad
-
-
-def test_an_unknown_mode_is_refused(kernel):
-    kernel("fast")
-    with pytest.raises(ValueError, match="SINKATTN_CPU_KERNEL='fast': expected one of auto, compiled, python"):
-        _call()
+    with pytest.raises(ValueError, match=message):
+        sinkattn.sink_attn_func(q, k, v, sinks=torch.zeros(4) if sinks else None, causal=True)
 
 
 _CHILD = """

@@ -115,6 +115,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     """``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``, ``v [Tk, HKV, Dv]`` -> ``(o [Tq, HQ, Dv] fp32, Stats [HQ, Tq] fp32)``
     over keys;
     or a dense no-grad call as it is (``batch`` None, see ``_dense``)."""
+    cpu_native.check_settings()
     if batch is None:
         return _dense(q, k, v, window, softmax_scale)
     q32, k32, v32 = q.float(), k.float(), v.float()
@@ -168,6 +169,7 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     ``stats`` -> ``(dq, dk, dv)`` fp32 and ``delta [HQ, Tq]``. The tiles are the forward's. ``Delta`` is
     summed from the products themselves (``cpu_tiles.backward``), or, when the call holds only some keys
     of its rows (``partial``), taken from ``o``."""
+    cpu_native.check_settings()
     q32, k32, v32, do32 = q.float(), k.float(), v.float(), do.float()
     literal = nonfinite.present(q32, k32, v32)
     dq = buffers.new(q.shape, torch.float32, q.device)

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODES", "PRODUCTS", "mode", "products", "bf16_products", "compiler", "load", "available", "describe",
-           "library_path"]
+__all__ = ["MODES", "PRODUCTS", "mode", "products", "check_settings", "bf16_products", "compiler", "load", "available",
+           "describe", "library_path"]
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 MODES = ("auto", "compiled", "python")
@@ -70,6 +70,13 @@ def products() -> str:
     if value not in PRODUCTS:
         raise ValueError(f"{_PRODUCTS_ENV}={value!r}: expected one of {', '.join(PRODUCTS)}")
     return value
+
+
+def check_settings() -> None:
+    """Refuse a wrong ``SINKATTN_CPU_KERNEL`` or ``SINKATTN_CPU_PRODUCTS`` (``ValueError``), whichever path
+    a call takes: a typo is never silently ignored."""
+    mode()
+    products()
 
 
 def _matrix_units() -> bool:

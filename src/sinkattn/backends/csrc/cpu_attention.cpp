@@ -682,7 +682,8 @@ struct Backward {
 // T as in forward_impl; with bf16 operands, P and dS enter dQ, dK and dV compensated (hi + lo).
 // split: 1 one fused pass per (sequence, KV head) task; 2 a dQ pass over row blocks, then a dK/dV pass over
 // chunks of keys (the same bits, more tasks, seven products per tile where the fused pass has five); 0 the
-// split passes where the fused tasks would keep at most half of the threads busy.
+// split passes where the fused tasks would keep at most half of the threads busy and the dK/dV pass has
+// at least twice their number (a sequence of one chunk of keys gains nothing from it).
 template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& m_t, const at::Tensor& log_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
@@ -706,7 +707,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   float *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
   const float post = (float)score_scale;
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const bool two_passes = split == 2 || (split == 0 && 2 * S.N * S.HKV <= threads);
+  int64_t chunks = 0;
+  for (int64_t n = 0; n < S.N; ++n) chunks += L.chunks[n];
+  const int64_t fused_tasks = S.N * S.HKV;
+  const bool two_passes = split == 2 || (split == 0 && 2 * fused_tasks <= threads && chunks >= 2 * S.N);
   std::vector<float> fix(two_passes ? S.HQ * S.Tq : 0, 0.0f);
   std::vector<int64_t> best(two_passes ? S.HQ * S.Tq : 0, -1);
   const Backward<T> B{S, L, cq, ck, bounds, q.data_ptr<float>(), dout.data_ptr<float>(), m_t.data_ptr<float>(),
