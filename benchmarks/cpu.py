@@ -19,15 +19,14 @@ short documents (lengths 96, 40, 72, 48; SDPA takes no packed batch); (5) ``prod
 shape in bf16, fwd+bwd and bwd, the compiled kernel's fp32 products against its bf16 ones
 (``SINKATTN_CPU_PRODUCTS=fp32`` / ``bf16``, ``sinkattn.backends.cpu_native``) and SDPA bf16, interleaved.
 (6) ``split``: fp32 causal B=1, HQ=16, S=2048, D=64 fwd+bwd at HKV=1 and HKV=4, the compiled backward's
-fused tasks (one per sequence and KV head) against its split passes (``cpu.BACKWARD_SPLIT``; ``auto`` takes
-them where the fused tasks would keep at most half of the threads busy and the sequences have two
-chunks of keys), interleaved. ``--threads`` applies
-to the processes of section (2) too.
+fused tasks (one per sequence and KV head) against its split passes (``cpu.BACKWARD_SPLIT``; ``auto``
+takes them where the fused tasks would keep at most half of the threads busy and the sequences have two
+chunks of keys), interleaved. ``--threads`` applies to the processes of section (2) too.
 
-``--isa avx2`` (or ``avx512``, ``default``) reruns the whole script in a process whose PyTorch, MKL and
-oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without AVX-512 (or
-without its bf16 instructions and AMX) runs, timed on this one (on a CPU of that level too: the header
-then records the ceiling). The header records the capability PyTorch took.
+``--isa avx2`` (or ``avx512``, ``avx512_bf16``, ``default``) reruns the whole script in a process whose
+PyTorch, MKL and oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without
+AVX-512 (or without its bf16 instructions, or without AMX) runs, timed on this one (on a CPU of that
+level too: the header then records the ceiling). The header records the capability PyTorch took.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_bf16_products_meet_the_standard(case, kernel):
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
 def test_the_products_setting_chooses_the_products(kernel, monkeypatch):
     """bf16 products change the bits of bf16 calls (``P`` is rounded in ``P V``) and of nothing else; ``auto``
-    takes them where bf16 products run on AMX tiles, and a wrong value is refused."""
+    takes them where bf16 products run on AMX tiles (the CPU has them, PyTorch and oneMKL not held below)."""
     kernel("compiled")
     bf16, fp32 = (cases.random_packed(4, max_len=150, dtype=dtype) for dtype in (torch.bfloat16, torch.float32))
     got = {}
@@ -124,8 +124,13 @@ def test_the_products_setting_chooses_the_products(kernel, monkeypatch):
     assert same["auto"] == [not cpu_native._matrix_units(), True]
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
     assert cpu_native.bf16_products(bf16.make().q) and not cpu_native.bf16_products(fp32.make().q)
     assert cpu_native.describe().endswith("bf16 inputs: bf16 products)")
+    for held, amx in (("AVX512_E4", True), ("AVX512_E3", False), ("AVX2", False)):   # oneMKL's ceiling
+        monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", held)
+        assert cpu_native.bf16_products(bf16.make().q) == amx, held
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")      # held below AVX512
     assert not cpu_native.bf16_products(bf16.make().q)
 
