@@ -52,8 +52,8 @@ NATIVE_BM = 128
 BACKWARD_SPLIT = 0
 """The compiled backward's tasks: 0 (``auto``) its split passes (dQ by row block, then dK/dV by chunk of keys:
 seven products per tile where the fused pass has five) when its fused tasks (one per sequence and KV head)
-would keep at most half of torch's threads busy, 1 always the fused tasks, 2 always the split passes.
-The results are the same bits either way."""
+would keep at most half of torch's threads busy and its sequences have two chunks of keys (``cpu_tiles.BN``)
+on average, 1 always the fused tasks, 2 always the split passes. The results are the same bits either way."""
 
 
 def _scales(softmax_scale: float) -> tuple[float, float]:

@@ -88,14 +88,18 @@ def _matrix_units() -> bool:
             and isa.matrix_units_allowed())
 
 
+def _bf16_chosen() -> bool:
+    """Whether the products setting takes bf16 products for bf16 inputs: ``bf16``, or ``auto`` where
+    ``_matrix_units``."""
+    chosen = products()
+    return chosen == "bf16" or (chosen == "auto" and _matrix_units())
+
+
 def bf16_products(*inputs: torch.Tensor) -> bool:
     """Whether the compiled kernel takes bf16 products for a call of these inputs (the operands of its
-    products: ``q, k, v`` in the forward, and ``dO`` in the backward): all bf16, and the products mode
-    ``bf16``, or ``auto`` where ``_matrix_units``."""
-    chosen = products()
-    if not all(x.dtype == torch.bfloat16 for x in inputs):
-        return False
-    return chosen == "bf16" or (chosen == "auto" and _matrix_units())
+    products: ``q, k, v`` in the forward, and ``dO`` in the backward): all bf16, and ``_bf16_chosen``."""
+    chosen = _bf16_chosen()       # first: a wrong setting is refused whatever the inputs
+    return chosen and all(x.dtype == torch.bfloat16 for x in inputs)
 
 
 def compiler() -> str | None:
@@ -198,7 +202,7 @@ def describe() -> str:
         ops = None
     if ops is None:
         return f"PyTorch-op tiles (compiled kernel unavailable: {_state.get('error')})"
-    low = "bf16" if products() == "bf16" or (products() == "auto" and _matrix_units()) else "fp32"
+    low = "bf16" if _bf16_chosen() else "fp32"
     return f"compiled kernel ({_isa()}, {library_path().name}; bf16 inputs: {low} products)"
 
 
