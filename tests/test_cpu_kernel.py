@@ -157,6 +157,43 @@ def test_the_split_backward_gives_the_fused_backwards_bits(case, kept, kernel, m
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
+def _kernel_call(ops, L, HQ, D, seed, bf16):
+    """The compiled forward and (fused) backward of one causal sequence with one KV head, fp32 results
+    (the public API would round them to bf16, hiding a difference in their last bits)."""
+    from sinkattn.backends import cpu
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(L, HQ, D, generator=g).bfloat16().float() for _ in range(2))
+    k, v = (torch.randn(L, 1, D, generator=g).bfloat16().float() for _ in range(2))
+    cu_q, cu_k, bounds = cpu._sequences_of((0, L), (0, L), (-1, 0))
+    row, post = cpu._scales(D ** -0.5)
+    o, m, log_l = torch.empty(L, HQ, D), torch.empty(HQ, L), torch.empty(HQ, L)
+    ops.forward(q, k, v, cu_q, cu_k, bounds, row, post, cpu.NATIVE_BM, cpu_tiles.BN, bf16, o, m, log_l)
+    dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(HQ, L)
+    ops.backward(do, q, k, v, m, log_l, delta, torch.empty(0), torch.empty(0), cu_q, cu_k, bounds, row, post,
+                 D ** -0.5, True, cpu.NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, bf16, 1, dq, dk, dv)
+    return [o, m, log_l, dq, dk, dv, delta]
+
+
+@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-products", "bf16-products"])
+def test_a_call_of_one_task_gives_the_same_fp32_bits_for_any_thread_count(bf16, kernel):
+    """One sequence, one KV head, one chunk of keys: the backward is one task, run outside a parallel region,
+    whose products must still run on its one thread (oneMKL threads a GEMM called there otherwise, and its
+    sums then differ in the last bits of a few elements)."""
+    kernel("compiled")
+    ops = cpu_native.load()
+    before = torch.get_num_threads()
+    try:
+        for seed, (L, HQ) in enumerate([(60, 2), (120, 1), (200, 4), (40, 2), (250, 4), (100, 2)]):
+            torch.set_num_threads(1)
+            one = _kernel_call(ops, L, HQ, 16, seed, bf16)
+            torch.set_num_threads(2)
+            two = _kernel_call(ops, L, HQ, 16, seed, bf16)
+            assert all(torch.equal(a, b) for a, b in zip(one, two)), (L, HQ, seed)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("products,case", [
@@ -167,7 +204,8 @@ def test_the_split_backward_gives_the_fused_backwards_bits(case, kept, kernel, m
 ], ids=["fp32", "bf16", "one-kv-head", "one-kv-head-bf16"])
 def test_the_kernel_gives_the_same_bits_for_any_thread_count(threads, products, case, kernel):
     """Each task (a sequence's key-value head, one row block of it, or a chunk of its keys) is one thread's,
-    in a fixed order."""
+    in a fixed order, its products too (oneMKL, which takes the bf16 ones, would thread a call made outside
+    a parallel region: a call of one task)."""
     kernel("compiled", SINKATTN_CPU_PRODUCTS=products)
     x = case.make()
     before = torch.get_num_threads()

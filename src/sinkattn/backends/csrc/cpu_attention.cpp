@@ -214,6 +214,33 @@ struct Layout {
   T* rows(T* X, int64_t h, int64_t n, int64_t W) const { return X + (h * total_keys() + keys[n]) * W; }
 };
 
+// oneMKL's thread count for the calling thread, where PyTorch carries oneMKL (libtorch_cpu exports it on
+// x86-64; weak: null elsewhere).
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+// For its lifetime, the products of this thread run on it alone. A GEMM that PyTorch hands to oneMKL (bf16
+// operands, or fp32 where oneDNN has no kernel) opens an OpenMP team of its own: of the calling thread's
+// OpenMP thread count outside a parallel region (a call of one task), and of oneMKL's count inside one
+// when nested parallelism is on; its sums then depend on the team. Both counts are held to 1.
+struct OneThreadProducts {
+  int mkl = 0;
+#ifdef _OPENMP
+  int omp = omp_get_max_threads();
+#endif
+  OneThreadProducts() {
+    if (MKL_Set_Num_Threads_Local) mkl = MKL_Set_Num_Threads_Local(1);
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+  }
+  ~OneThreadProducts() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(mkl);
+#ifdef _OPENMP
+    omp_set_num_threads(omp);
+#endif
+  }
+};
+
 // body(first, n, step) on each of the threads PyTorch uses for an op (at::get_num_threads()): thread i
 // takes tasks i, i + T, ... of [0, n), so that tasks of growing cost (causal row blocks) spread evenly.
 // OpenMP directly, not at::parallel_for, whose OpenMP loop lives in this file's headers: it follows
@@ -228,6 +255,7 @@ void parallel_tasks(int64_t n, const F& body) {
 #pragma omp parallel num_threads((int)T)
     {
       try {
+        OneThreadProducts one;
         body(omp_get_thread_num(), n, omp_get_num_threads());
       } catch (...) {
 #pragma omp critical
@@ -238,6 +266,7 @@ void parallel_tasks(int64_t n, const F& body) {
     return;
   }
 #endif
+  OneThreadProducts one;
   body(0, n, 1);
 }
 
