@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import contextlib  # noqa: E402
+from unittest import mock  # noqa: E402
 
 from sinkattn.backends import cpu_small, cpu_tiles  # noqa: E402
 from sinkattn.backends import triton as triton_backend  # noqa: E402
@@ -54,14 +55,8 @@ def _hi_lo(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, _bf16(x - hi)
 
 
-@contextlib.contextmanager
 def _triton_products(compensated: bool):
-    saved = triton_backend.COMPENSATED
-    triton_backend.COMPENSATED = compensated
-    try:
-        yield
-    finally:
-        triton_backend.COMPENSATED = saved
+    return mock.patch.object(triton_backend, "COMPENSATED", compensated)
 
 
 @contextlib.contextmanager
@@ -78,32 +73,18 @@ def _cpu_bf16_operands(compensated: bool):
 
     cpu_tiles.block_products = cpu_small.block_products = bf16_products
     cpu_tiles._pv = lambda p, vb, mask, literal: pv(_bf16(p), vb, mask, literal)
-    kernel = os.environ.get("SINKATTN_CPU_KERNEL")
-    os.environ["SINKATTN_CPU_KERNEL"] = "python"        # the PyTorch-op tiles, whose products these are
     try:
-        yield
+        # the PyTorch-op tiles, whose products these are
+        with mock.patch.dict(os.environ, SINKATTN_CPU_KERNEL="python"):
+            yield
     finally:
         cpu_tiles.block_products = cpu_small.block_products = products
         cpu_tiles._pv = pv
-        if kernel is None:
-            del os.environ["SINKATTN_CPU_KERNEL"]
-        else:
-            os.environ["SINKATTN_CPU_KERNEL"] = kernel
 
 
-@contextlib.contextmanager
 def _kernel_products(bf16: bool):
     """The compiled kernel with its bf16 products (or its fp32 ones), for the duration."""
-    saved = {name: os.environ.get(name) for name in ("SINKATTN_CPU_KERNEL", "SINKATTN_CPU_PRODUCTS")}
-    os.environ.update(SINKATTN_CPU_KERNEL="compiled", SINKATTN_CPU_PRODUCTS="bf16" if bf16 else "fp32")
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, SINKATTN_CPU_KERNEL="compiled", SINKATTN_CPU_PRODUCTS="bf16" if bf16 else "fp32")
 
 
 SUBJECTS = {"triton": (_triton_products, DTYPES, cases.INTERPRETER_RANDOM, DEVICE),

@@ -31,10 +31,10 @@ level too: the header then records the ceiling). The header records the capabili
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
+from unittest import mock
 
 from sinkattn.testing import bench, isa
 
@@ -92,29 +92,21 @@ def window(repeats, S=8192, HQ=16, HKV=4, D=64):
     return rows
 
 
-@contextlib.contextmanager
-def _products(value: str):
-    """``SINKATTN_CPU_PRODUCTS=value`` for the duration."""
-    saved = os.environ.get("SINKATTN_CPU_PRODUCTS")
-    os.environ["SINKATTN_CPU_PRODUCTS"] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("SINKATTN_CPU_PRODUCTS")
-        else:
-            os.environ["SINKATTN_CPU_PRODUCTS"] = saved
+def _within(context, step):
+    """``step`` run inside a fresh ``context()`` each time."""
+    def run():
+        with context():
+            step()
+    return run
 
 
 def _with_products(fn, inputs, mode: str, value: str):
     """``bench.mode_step`` made and run with ``SINKATTN_CPU_PRODUCTS=value`` (a ``bwd`` step's forward included)."""
-    with _products(value):
+    def products():
+        return mock.patch.dict(os.environ, SINKATTN_CPU_PRODUCTS=value)
+    with products():
         step = bench.mode_step(fn, inputs, mode)
-
-    def run():
-        with _products(value):
-            step()
-    return run
+    return _within(products, step)
 
 
 def products(repeats, S=2048, HQ=16, HKV=4, D=64):
@@ -136,29 +128,19 @@ def products(repeats, S=2048, HQ=16, HKV=4, D=64):
     return rows
 
 
-def _with_split(step, value: int):
-    def run():
-        from sinkattn.backends import cpu
-        saved, cpu.BACKWARD_SPLIT = cpu.BACKWARD_SPLIT, value
-        try:
-            step()
-        finally:
-            cpu.BACKWARD_SPLIT = saved
-    return run
-
-
 def split(repeats, S=2048, HQ=16, D=64):
     """fwd+bwd with the backward's fused tasks and with its split passes, interleaved; ``auto``: the kernel's
     rule (the fused tasks keep at most half of the threads busy, the sequence has two chunks of keys)."""
     import torch
 
-    from sinkattn.backends import cpu_tiles
+    from sinkattn.backends import cpu, cpu_tiles
     rows = []
     for HKV in (1, 4):
         p = bench.Problem(1, S, HQ, HKV, D)
         inputs = bench.problem_inputs(p, "cpu")
         fn, _ = bench.PROVIDERS["sinkattn"](p, *inputs)
-        steps = {name: _with_split(bench.mode_step(fn, inputs, "fwdbwd"), value)
+        steps = {name: _within(lambda value=value: mock.patch.object(cpu, "BACKWARD_SPLIT", value),
+                               bench.mode_step(fn, inputs, "fwdbwd"))
                  for name, value in (("fused", 1), ("split", 2))}
         t = bench.time_interleaved(steps, repeats)
         rows.append(dict(section="split", mode="fwd+bwd", shape=f"B=1 HQ={HQ} HKV={HKV} S={S} D={D} causal fp32",
