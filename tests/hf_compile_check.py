@@ -161,8 +161,11 @@ def families(names):
             start = time.perf_counter()
             logits, grads = hm.run(ours, ids, mask, call=compiled)
             seconds = time.perf_counter() - start
-            grads = {n.removeprefix("_orig_mod."): g for n, g in grads.items()}
-            logits_err, grad_err = hm.assert_close(logits, grads, *hm.run(ours, ids, mask), eager, ids, mask)
+            logits_want, grads_want = hm.run(ours, ids, mask)
+            # AOTAutograd gives zeros where eager leaves no gradient (DeepSeek-V4's indexer, behind a top-k)
+            grads = {n: g for n, g in ((n.removeprefix("_orig_mod."), g) for n, g in grads.items())
+                     if n in grads_want or g.any()}
+            logits_err, grad_err = hm.assert_close(logits, grads, logits_want, grads_want, eager, ids, mask)
             kwargs = dict(input_ids=ids) if mask is None else dict(input_ids=ids, attention_mask=mask)
             explained = torch._dynamo.explain(ours)(**kwargs)
             ours_breaks = [r.reason for r in explained.break_reasons

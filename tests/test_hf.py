@@ -346,9 +346,19 @@ def test_refuses_dropout_in_training():
     model.eval()(input_ids=torch.randint(1, 128, (1, 8)))         # dropout is off in eval: runs
 
 
-def test_refuses_a_4d_mask(pair):
+def test_refuses_a_4d_mask_other_than_the_causal_pattern(pair):
+    """A 4-D mask of the user's reaches the layers as it is: taken only where it is the layer's own pattern
+    (additive float 0 / -inf or boolean), refused as a custom mask, a score bias or an integer mask."""
+    ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()[None, None]
+    additive = torch.zeros(1, 1, 8, 8).masked_fill(~causal, -torch.inf)
+    assert torch.equal(pair[1](input_ids=ids, attention_mask=additive).logits, pair[1](input_ids=ids).logits)
+    with pytest.raises(ValueError, match="not its causal / sliding-window pattern"):
+        pair[1](input_ids=ids, attention_mask=torch.zeros(1, 1, 8, 8))
+    with pytest.raises(ValueError, match="values other than 0 and -inf"):
+        pair[1](input_ids=ids, attention_mask=additive + 0.5 * causal)
     with pytest.raises(ValueError, match="cannot express a 4-D mask"):
-        pair[1](input_ids=torch.randint(1, 128, (1, 8)), attention_mask=torch.zeros(1, 1, 8, 8))
+        pair[1](input_ids=ids, attention_mask=causal.long())
 
 
 def test_refuses_custom_mask_patterns(pair):

@@ -28,6 +28,11 @@ sliding window is made once per forward by ``key_mask``. A static cache's layer 
 int8 slot mask ``[B, Sk]`` (-1: a slot after the queries); its queries are the last ``Sq`` columns
 before the first -1, located on the device.
 
+Two kinds of layer add keys a window cannot describe, and run partly outside sinkattn's kernels
+(``sinkattn.hf.listed``): DeepSeek-V4's compressed layers (``sinkattn.hf.compressed``: the window
+keys through sinkattn, the compressed entries after them merged in by log-sum-exp) and a sparse
+top-k handed as ``indices [B, Sq, topk]`` beside the mask (HY-V4's DSA: the listed keys the mask shows).
+
 Two settings of ``sinkattn.hf.register`` change the call: ``context_parallel=`` runs the layer on
 this rank's shard of the tokens through ``sinkattn.distributed`` (``sinkattn.hf.context``), and
 sinks longer than the query heads, as a sequence-parallel wrapper that split the heads hands
@@ -40,9 +45,9 @@ import torch
 
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from ..masks import Window
-from . import context, heads, layout
+from . import compressed, context, heads, layout, listed
 from .context import ContextParallel
-from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN, pattern_keys
+from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN, pattern_keys, visible
 
 __all__ = ["attention_forward"]
 
@@ -60,23 +65,6 @@ def _refuse(module, dropout, kwargs) -> None:
                          f"served; drop output_attentions (also from the config) {_EAGER}")
 
 
-def _refuse_sparse(module, key, kwargs) -> None:
-    """Sparse key selections a layer adds to its mask, which sinkattn (dense over the visible keys)
-    cannot honour: a clear error instead of a silently different result."""
-    indices = kwargs.get("indices")
-    if isinstance(indices, torch.Tensor) and indices.shape[-1] < key.shape[2]:
-        raise ValueError(
-            f"sinkattn.hf: this layer's sparse-attention indexer selects the top {indices.shape[-1]} of its "
-            f"{key.shape[2]} keys per query (DeepSeek Sparse Attention); sinkattn attends to every visible key. "
-            f"Raise config.index_topk to at least the sequence length (then every key is selected and the result "
-            f"is exact), {_EAGER}")
-    if getattr(module, "compressor", None) is not None:
-        raise ValueError(
-            f"sinkattn.hf: layer type {getattr(module, 'layer_type', '?')!r} appends compressed key/value entries "
-            f"with their own block mask (DeepSeek-V4's compressed attention), which sinkattn cannot express; it "
-            f"runs the 'sliding_attention' layers; set config.layer_types to those only, {_EAGER}")
-
-
 def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor:
     """The real keys of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to ``indexed_attention``
     layers, ``sinkattn.hf.masks.INDEXED``), after checking that the mask is exactly this layer's
@@ -92,18 +80,28 @@ def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor
     return slots if Sq < Sk else slots > 0
 
 
-def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor:
+def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``q [B, Sq, HQ, D]``, ``k [B, Sk, HKV, D]``, ``v [B, Sk, HKV, Dv]`` through the varlen API ->
-    ``[B, Sq, HQ, Dv]``."""
+    ``[B, Sq, HQ, Dv]``, and with ``return_lse`` in ``options`` also ``lse`` fp32 ``[B, Sq, HQ]``
+    (a padded query row: out 0, lse the sink's logit alone, as a row with no keys has)."""
     B, Sq, HQ, D = q.shape
     Dv = v.shape[-1]
     qf, kf, vf = q.reshape(B * Sq, HQ, D), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if lay.index_q is not None:
-        qf, kf, vf = qf[lay.index_q], kf[lay.index_k], vf[lay.index_k]
+        qf = qf[lay.index_q]
+    if lay.index_k is not None:
+        kf, vf = kf[lay.index_k], vf[lay.index_k]
     out = sink_attn_varlen_func(qf, kf, vf, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, **options)
+    out, lse = out if isinstance(out, tuple) else (out, None)
+    lse = None if lse is None else lse.transpose(0, 1)                             # [Tq, HQ]
     if lay.index_q is not None:
         out = out.new_zeros(B * Sq, HQ, Dv).index_put((lay.index_q,), out)
-    return out.view(B, Sq, HQ, Dv)
+        if lse is not None:
+            sinks = options.get("sinks")
+            alone = lse.new_full((B * Sq, HQ), -torch.inf) if sinks is None else sinks.float().expand(B * Sq, HQ)
+            lse = alone.index_put((lay.index_q,), lse)
+    out = out.view(B, Sq, HQ, Dv)
+    return out if lse is None else (out, lse.view(B, Sq, HQ))
 
 
 def _real_keys(mask, k, Sq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -158,26 +156,64 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         head_group: the group a sequence-parallel wrapper split the heads over, when ``s_aux`` holds
             more heads than ``query`` (``sinkattn.hf.heads``); None: DeepSpeed's, if made.
         kwargs: ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``is_causal``,
-            ``output_attentions``; the rest is ignored.
+            ``output_attentions``, ``indices``; the rest is ignored.
     """
     is_causal = kwargs.get("is_causal")
     is_causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     _refuse(module, dropout, kwargs)
-    _refuse_sparse(module, key, kwargs)
     s_aux = heads.local_sinks(s_aux, query.shape[1], head_group)
     # flash-attn's reading of Hugging Face's sliding_window W: (W - 1, W - 1), causal making it (W - 1, 0)
     options = dict(sinks=s_aux, softmax_scale=scaling, causal=is_causal, backend=backend,
                    window_size=(sliding_window - 1, sliding_window - 1) if sliding_window else (-1, -1))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)     # [B, S, H, D]
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.is_floating_point():
+        attention_mask = visible(attention_mask)
     if context_parallel is not None:
+        if getattr(module, "compressor", None) is not None:
+            raise ValueError(compressed.NO_CONTEXT_PARALLEL)
         return context.attention(q, k, v, attention_mask, kwargs, options, context_parallel), None
+    if getattr(module, "compressor", None) is not None:
+        return _compressed(module, q, k, v, attention_mask, kwargs, options), None
+    indices = kwargs.get("indices")
+    if isinstance(indices, torch.Tensor) and indices.shape[-1] < k.shape[1]:
+        return _selected(q, k, v, attention_mask, indices, options), None
+    return _local(q, k, v, attention_mask, kwargs, options), None
+
+
+def _compressed(module, q, k, v, mask, kwargs, options) -> torch.Tensor:
+    """A DeepSeek-V4 compressed layer (``sinkattn.hf.compressed``): the window keys through ``_local``
+    with their lse, the entries after them merged in; a single query over the keys its mask row marks."""
+    seen, window = compressed.split(module, q, k, mask, kwargs)
+    if window is None:
+        return _varlen(q, k, v, compressed.one_query(seen), dict(options, causal=False, window_size=(-1, -1)))
+    o_w, lse_w = _local(q, k[:, :window], v[:, :window], seen[..., :window], kwargs, dict(options, return_lse=True))
+    if window == k.shape[1]:
+        return o_w
+    return listed.joined(q, k[:, window:], v[:, window:], seen[:, 0, :, window:], options, o_w, lse_w)
+
+
+def _selected(q, k, v, mask, indices, options) -> torch.Tensor:
+    """A sparse-attention layer's top-k (HY-V4's DSA: ``indices [B, Sq, topk]`` handed beside the mask):
+    each query attends to the keys its indices list and its boolean ``[B, 1, Sq, Sk]`` mask shows, and
+    the sink (``sinkattn.hf.listed``)."""
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        raise ValueError("sinkattn.hf: a sparse top-k layer needs its boolean [B, 1, Sq, Sk] mask, which sinkattn's "
+                         f"mask function makes for models with indexed_attention layers, {_EAGER}")
+    chosen = torch.zeros(B, Sq, Sk, dtype=torch.bool, device=q.device).scatter_(-1, indices.long(), True)
+    return listed.joined(q, k, v, chosen & mask.expand(B, -1, -1, -1)[:, 0], options)
+
+
+def _local(q, k, v, attention_mask, kwargs, options):
+    """One process's call on ``[B, S, H, D]`` tensors and the layer's mask -> ``out [B, Sq, HQ, Dv]``,
+    or with ``return_lse`` in ``options`` ``(out, lse fp32 [B, Sq, HQ])``."""
     B, Sq = q.shape[0], q.shape[1]
     flash = layout.flash(kwargs, B * Sq)
     if flash is not None:
         if attention_mask is not None:
             raise ValueError("sinkattn.hf: got both a padding attention_mask and cu_seq_lens_q/k; packed rows carry "
                              "no padding, pass one or the other")
-        return _varlen(q, k, v, flash, options), None
+        return _varlen(q, k, v, flash, options)
     mask = q_end = None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
         attention_mask = _pattern_mask(attention_mask.expand(B, -1, -1, -1), Sq, k.shape[1], options)
@@ -186,7 +222,10 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]   # a static cache's unwritten slots follow the n columns
     lay = _sequences(mask, kwargs.get("position_ids"), B, Sq, k.shape[1], q.device, q_end)
     if lay is not None:
-        if sliding_window and not lay.contiguous:
+        if options["window_size"] != (-1, -1) and not lay.contiguous:
             raise ValueError(PADDING_INSIDE_A_ROW)
-        return _varlen(q, k, v, lay, options), None
-    return sink_attn_func(q, k, v, **options), None
+        return _varlen(q, k, v, lay, options)
+    out = sink_attn_func(q, k, v, **options)
+    if isinstance(out, tuple):
+        return out[0], out[1].transpose(1, 2)
+    return out

@@ -43,8 +43,8 @@ import torch
 from .. import masks as core
 from . import layout
 
-__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "pattern_keys", "UNWRITTEN",
-           "INDEXED"]
+__all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "pattern_keys", "visible",
+           "UNWRITTEN", "INDEXED", "COMPRESSED"]
 
 _FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
 PADDING_INSIDE_A_ROW = (
@@ -224,9 +224,39 @@ def _(mask, left, right):
     return mask.new_empty((mask.shape[0], mask.shape[-1]), dtype=torch.int8)
 
 
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
+"""DeepSeek-V4's layer types that append compressed key/value entries to the sliding keys and write
+their visibility into the layer's mask (``sinkattn.hf.compressed``): ``key_mask`` hands every layer
+of such a model Hugging Face's additive float ``[B, 1, Sq, Sk]`` mask, the form the layer extends."""
+
+
 def _indexed(config) -> bool:
     layer_types = getattr(config, "layer_types", None)
     return bool(layer_types) and INDEXED in layer_types
+
+
+def _compressed(config) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    return any(t in COMPRESSED for t in layer_types)
+
+
+@torch.library.custom_op("sinkattn::hf_visible", mutates_args=())
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """The columns each query sees, ``bool [B, 1, Sq, Sk]``, of an additive float mask whose entries
+    are 0 (seen) or at most the dtype's lowest value / -inf (hidden, as Hugging Face writes them);
+    ``ValueError`` for any other entry: a bias added to the scores, which sinkattn cannot express. An
+    op, so that a traced model checks the mask when it runs, without a graph break."""
+    seen = mask == 0
+    if not bool((seen | (mask <= torch.finfo(mask.dtype).min)).all()):
+        raise ValueError("sinkattn.hf: the layer's float attention mask adds values other than 0 and -inf to the "
+                         "scores (a score bias), which sinkattn cannot express; or load the model with "
+                         "attn_implementation='eager'")
+    return seen
+
+
+@visible.register_fake
+def _(mask):
+    return torch.empty_like(mask, dtype=torch.bool)
 
 
 def _has_sliding_layers(config) -> bool:
@@ -241,14 +271,19 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     """Hugging Face's mask-interface call -> ``None``, the real-key mask ``bool [B, n]`` or, traced
     with a StaticCache, the int8 slot mask ``[B, kv_length]`` (module doc); for a model with
     ``indexed_attention`` layers, whose indexer reads the mask, the boolean ``[B, 1, Sq, Sk]`` one
-    (``INDEXED``)."""
-    if _indexed(kwargs.get("config")):
+    (``INDEXED``); for a model with compressed layers, which extend the mask, the additive float one
+    (``COMPRESSED``)."""
+    config = kwargs.get("config")
+    if _indexed(config) or _compressed(config):
         from transformers import masking_utils as mu
 
-        pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))     # a pattern we know
+        use_vmap = bool(kwargs.get("use_vmap", False))
+        pattern_window(mask_function, local_size, use_vmap)     # a pattern we know
+        if _compressed(config):
+            return mu.eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                 dtype=kwargs.get("dtype") or torch.float32, use_vmap=use_vmap, device=device)
         return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                            local_size=local_size, allow_is_causal_skip=False, device=device,
-                            use_vmap=bool(kwargs.get("use_vmap", False)))
+                            local_size=local_size, allow_is_causal_skip=False, device=device, use_vmap=use_vmap)
     window = local_size
     if mask_function is not None:
         window = pattern_window(mask_function, local_size, bool(kwargs.get("use_vmap", False)))

@@ -1,9 +1,13 @@
 """Tiny random models of every Hugging Face model family with attention sinks but gpt-oss (which has
 ``sinkattn.testing.gpt_oss``), for the tests (``tests/test_hf_models.py``, ``tests/test_hf_cp.py``,
-``tests/hf_compile_check.py``): fp32, two layers, hidden 64, seeded; no downloads.
+``tests/hf_compile_check.py``): fp32, two layers (DeepSeek-V4: three), hidden 64, seeded; no downloads.
 
     MiMo-V2-Flash          D=24, Dv=16 (the real 192 / 128 scaled down), sinks on the sliding layer only
-    DeepSeek-V4            D=512, one KV head passed as both k and v, sliding-window layers
+    DeepSeek-V4            D=512, one KV head passed as both k and v; three layers: compressed sparse
+                           (an entry per 4 tokens, the indexer's top 2 of them), heavily compressed
+                           (an entry per 8) and sliding window; the first layer's indexer reads the
+                           embeddings (no rounding can flip its choice between two implementations)
+                           and its padded rows feed the second's entries, so they must be right too
     HY-V4                  MLA layers: D=24 (nope 16 + rope 8), Dv=16; its indexer reads the 4-D mask;
                            index_topk >= the sequence length, so every key is selected
     Granite-SWA, GraniteMoE-SWA   sinks as post-attention LSE scaling in eager, attention_multiplier scale
@@ -35,12 +39,14 @@ def spec(name: str):
                                   moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=2)
         return T.MiMoV2FlashForCausalLM, cfg, 1, "logits"
     if name == "deepseek_v4":
-        cfg = T.DeepseekV4Config(**SMALL, moe_intermediate_size=32, num_key_value_heads=1, head_dim=512,
-                                 q_lora_rank=32, n_routed_experts=2, num_experts_per_tok=2, sliding_window=8,
-                                 o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=128, index_topk=8,
-                                 layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe", "moe"], hc_mult=2,
+        layers = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
+        cfg = T.DeepseekV4Config(**(SMALL | dict(num_hidden_layers=3)), moe_intermediate_size=32, num_key_value_heads=1,
+                                 head_dim=512, q_lora_rank=32, n_routed_experts=2, num_experts_per_tok=2,
+                                 sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=128,
+                                 index_topk=2, layer_types=layers, mlp_layer_types=["moe"] * 3, hc_mult=2,
+                                 compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
                                  num_nextn_predict_layers=0)
-        return T.DeepseekV4ForCausalLM, cfg, 2, "logits"
+        return T.DeepseekV4ForCausalLM, cfg, 3, "logits"
     if name == "hy_v4":
         cfg = T.HYV4Config(**SMALL, intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4,
                            head_dim=24, n_routed_experts=2, num_experts_per_tok=2, q_lora_rank=32, kv_lora_rank=32,
