@@ -20,6 +20,10 @@ Lk keys is key Lk - Lq + i):
                               batch are both honoured; padded query rows come back as zeros
     otherwise                 ``sink_attn_func`` on the dense batch (decoding: Sq < Sk)
 
+A 4-D mask (what ``key_mask`` makes for models whose layers read or extend it, or a user's own) is
+taken only where it is the layer's own pattern over the real keys (boolean, or additive float
+0 / -inf read by the ``sinkattn::hf_visible`` op) and then read back as the real-key mask.
+
 Eager mode reads the layout's lengths back once per forward pass (memoized per mask /
 position_ids tensor). Under ``torch.compile`` / ``torch.export`` nothing is read back: the
 layout has shapes fixed by ``B, Sq, Sk`` (``sinkattn.hf.layout.fixed``), so a dense or packed
@@ -66,12 +70,12 @@ def _refuse(module, dropout, kwargs) -> None:
 
 
 def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor:
-    """The real keys of Hugging Face's boolean ``[B, 1, Sq, Sk]`` mask (handed to ``indexed_attention``
-    layers, ``sinkattn.hf.masks.INDEXED``), after checking that the mask is exactly this layer's
-    pattern (causal / window, bottom-right) over them (``sinkattn.hf.masks.pattern_keys``, an op that
-    checks when the program runs, traced or not): ``bool [B, Sk]`` without a cache; with one, the int8
-    slot mask ``[B, Sk]``, whose -1 columns (a static cache's slots after the queries, which no query
-    sees) ``_real_keys`` drops."""
+    """The real keys of a boolean ``[B, 1, Sq, Sk]`` mask (Hugging Face's for ``indexed_attention``
+    layers, ``sinkattn.hf.masks.INDEXED``; a float one's ``visible`` columns), after checking that the
+    mask is exactly this layer's pattern (causal / window, bottom-right) over them
+    (``sinkattn.hf.masks.pattern_keys``, an op that checks when the program runs, traced or not):
+    ``bool [B, Sk]`` without a cache; with one, the int8 slot mask ``[B, Sk]``, whose -1 columns (a
+    static cache's slots after the queries, which no query sees) ``_real_keys`` drops."""
     if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
         raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
                          f"for {Sq} queries and {Sk} keys; {_EAGER}")
