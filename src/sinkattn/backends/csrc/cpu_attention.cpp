@@ -542,8 +542,8 @@ struct Backward {
     std::fill(dos + M * S.Dv, dos + Mp * S.Dv, 0.0f);
     const T* qo = operands<T>(qs, Mp, S.D, S.D, w.qop, false).part[0];
     const T* doo = operands<T>(dos, Mp, S.Dv, S.Dv, w.doop, false).part[0];
-    T* qsT = w.qtbuf.get(Mp * S.D);
-    T* dosT = w.dotbuf.get(Mp * S.Dv);
+    T* qsT = dkv_pass ? w.qtbuf.get(Mp * S.D) : nullptr;      // Qs^T, dO^T: the dK / dV products only
+    T* dosT = dkv_pass ? w.dotbuf.get(Mp * S.Dv) : nullptr;
     if (dkv_pass)
       for (int64_t i = 0; i < Mp; ++i) {
         for (int64_t d = 0; d < S.D; ++d) qsT[d * Mp + i] = qo[i * S.D + d];
@@ -762,7 +762,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
     }
   };
   if (!two_passes) {
-    parallel_tasks(S.N * S.HKV, [&](int64_t first, int64_t end, int64_t step) {
+    parallel_tasks(fused_tasks, [&](int64_t first, int64_t end, int64_t step) {
       Scratch<T> w;
       Aligned<> dkbuf, dvbuf;
       for (int64_t task = first; task < end; task += step) {
