@@ -243,6 +243,25 @@ def test_hy_v4_sparse_top_k_below_the_length_matches_eager(batch, chunked, monke
     assert "sinkattn::forward" not in against_eager(eager, ours, batch)
 
 
+PACKED = dict(position_ids=torch.cat([torch.arange(10), torch.arange(14)])[None],
+              cu_seq_lens_q=torch.tensor([0, 10, 24], dtype=torch.int32),
+              cu_seq_lens_k=torch.tensor([0, 10, 24], dtype=torch.int32), max_length_q=14, max_length_k=14)
+
+
+@pytest.mark.parametrize("family, changes", [("deepseek_v4", {}), ("hy_v4", {}), ("hy_v4", dict(index_topk=8))],
+                         ids=["deepseek_v4", "hy_v4", "hy_v4-sparse"])
+def test_models_whose_layers_read_the_whole_row_take_packing_as_eager_does(family, changes):
+    """DeepSeek-V4's compressor and HY-V4's indexer read the whole row, and transformers gives them no
+    packed-sequence mask: a row packed by ``position_ids`` alone is one sequence to eager and to sinkattn
+    alike; the flash-attention kwargs, which sinkattn would honour and eager ignores, are refused."""
+    eager, ours = models(family, **changes)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    by_positions = dict(input_ids=ids, position_ids=PACKED["position_ids"])
+    assert rel(ours(**by_positions).logits, eager(**by_positions).logits) <= LOGIT_RTOL
+    with pytest.raises(ValueError, match="knows no documents|mix the documents of a packed row"):
+        ours(input_ids=ids, **PACKED)
+
+
 def test_listed_keys_multiply_in_fp32_under_autocast():
     """Under bf16 autocast (the HF Trainer's bf16=True) the listed keys' products stay fp32: the same bits
     as without autocast."""

@@ -51,11 +51,11 @@ from ..interface import sink_attn_func, sink_attn_varlen_func
 from ..masks import Window
 from . import compressed, context, heads, layout, listed
 from .context import ContextParallel
-from .masks import PADDING_INSIDE_A_ROW, UNWRITTEN, pattern_keys, visible
+from .masks import OR_EAGER as _EAGER
+from .masks import PACKED_ROWS_UNSEEN, PADDING_INSIDE_A_ROW, UNWRITTEN, pattern_keys, visible
 
 __all__ = ["attention_forward"]
 
-_EAGER = "or load the model with attn_implementation='eager'"
 
 
 def _refuse(module, dropout, kwargs) -> None:
@@ -78,7 +78,7 @@ def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor
     static cache's slots after the queries, which no query sees) ``_real_keys`` drops."""
     if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
         raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
-                         f"for {Sq} queries and {Sk} keys; {_EAGER}")
+                         f"for {Sq} queries and {Sk} keys; pass a 2-D padding mask [B, S] (or none) instead, {_EAGER}")
     left, right = Window.of(options["causal"], options["window_size"])
     slots = pattern_keys(mask, left, right)
     return slots if Sq < Sk else slots > 0
@@ -180,7 +180,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         return _compressed(module, q, k, v, attention_mask, kwargs, options), None
     indices = kwargs.get("indices")
     if isinstance(indices, torch.Tensor) and indices.shape[-1] < k.shape[1]:
-        return _selected(q, k, v, attention_mask, indices, options), None
+        return _selected(q, k, v, attention_mask, indices, kwargs, options), None
     return _local(q, k, v, attention_mask, kwargs, options), None
 
 
@@ -196,11 +196,13 @@ def _compressed(module, q, k, v, mask, kwargs, options) -> torch.Tensor:
     return listed.joined(q, k[:, window:], v[:, window:], seen[:, 0, :, window:], options, o_w, lse_w)
 
 
-def _selected(q, k, v, mask, indices, options) -> torch.Tensor:
+def _selected(q, k, v, mask, indices, kwargs, options) -> torch.Tensor:
     """A sparse-attention layer's top-k (HY-V4's DSA: ``indices [B, Sq, topk]`` handed beside the mask):
     each query attends to the keys its indices list and its boolean ``[B, 1, Sq, Sk]`` mask shows, and
     the sink (``sinkattn.hf.listed``)."""
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    if layout.flash(kwargs, B * Sq) is not None:
+        raise ValueError(PACKED_ROWS_UNSEEN)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         raise ValueError("sinkattn.hf: a sparse top-k layer needs its boolean [B, 1, Sq, Sk] mask, which sinkattn's "
                          f"mask function makes for models with indexed_attention layers, {_EAGER}")
@@ -214,6 +216,8 @@ def _local(q, k, v, attention_mask, kwargs, options):
     B, Sq = q.shape[0], q.shape[1]
     flash = layout.flash(kwargs, B * Sq)
     if flash is not None:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+            raise ValueError(PACKED_ROWS_UNSEEN)
         if attention_mask is not None:
             raise ValueError("sinkattn.hf: got both a padding attention_mask and cu_seq_lens_q/k; packed rows carry "
                              "no padding, pass one or the other")

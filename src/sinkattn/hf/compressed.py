@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 
 from . import layout
+from .masks import OR_EAGER as _EAGER
 
 __all__ = ["split", "one_query", "NO_CONTEXT_PARALLEL"]
 
-_EAGER = "or load the model with attn_implementation='eager'"
 NO_CONTEXT_PARALLEL = (
     "sinkattn.hf: DeepSeek-V4's compressed layers cannot run context parallel: each rank's compressor would see only "
     f"its shard of the tokens; train them in one process per sequence (data parallel), {_EAGER}")

@@ -47,6 +47,11 @@ __all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_ke
            "UNWRITTEN", "INDEXED", "COMPRESSED"]
 
 _FIX = "use attn_implementation='eager' (or 'sdpa') for this model or call"
+OR_EAGER = "or load the model with attn_implementation='eager'"
+PACKED_ROWS_UNSEEN = (
+    "sinkattn.hf: this model's layers get a 4-D mask that knows no documents (their indexer or compressor reads "
+    "the whole row), so packed rows given as cu_seq_lens_q/k cannot be honoured; pass one document per row "
+    f"(padding is fine), {OR_EAGER}")
 PADDING_INSIDE_A_ROW = (
     "sinkattn.hf: padding inside a row (real tokens on both sides of a pad) with a sliding window: sinkattn counts "
     "the window in real tokens, eager in positions; pad on the left or the right only, or use "
@@ -194,7 +199,8 @@ attention function checks and reads back as real keys (``sinkattn.hf.attention``
 
 NOT_THE_PATTERN = (
     "sinkattn.hf: the layer's 4-D attention mask is not its causal / sliding-window pattern over the real keys (a "
-    "custom or block mask), which sinkattn cannot express; or load the model with attn_implementation='eager'")
+    "custom or block mask), which sinkattn cannot express; pass a 2-D padding mask [B, S] (or none) instead, "
+    f"{OR_EAGER}")
 
 
 @torch.library.custom_op("sinkattn::hf_pattern_keys", mutates_args=())
@@ -249,8 +255,8 @@ def visible(mask: torch.Tensor) -> torch.Tensor:
     seen = mask == 0
     if not bool((seen | (mask <= torch.finfo(mask.dtype).min)).all()):
         raise ValueError("sinkattn.hf: the layer's float attention mask adds values other than 0 and -inf to the "
-                         "scores (a score bias), which sinkattn cannot express; or load the model with "
-                         "attn_implementation='eager'")
+                         "scores (a score bias), which sinkattn cannot express; drop the bias (0 where a key is "
+                         f"seen, -inf where not), {OR_EAGER}")
     return seen
 
 
