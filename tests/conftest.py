@@ -25,6 +25,16 @@ import pytest  # noqa: E402
 from sinkattn.backends import cpu_native
 from sinkattn.testing.verify import TENSORS
 
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup`` pytest-xdist sends a group's tests to one worker by renaming them
+    ``nodeid@group`` on each worker; a pytest that ignores the rename (9.2 with xdist 3.8) would
+    spread a group over the workers, each launching the group's process groups: fail instead."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") \
+            and "@" not in item.nodeid:
+        pytest.fail(f"pytest-xdist did not group this xdist_group test under pytest {pytest.__version__} "
+                    f"(loadgroup renames tests, which this pytest ignores): install pytest < 9.2", pytrace=False)
+
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the Triton tests put their tensors: the GPU when there is one, else the interpreter's CPU."""
 
