@@ -101,9 +101,7 @@ def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor | tuple[torch.
     if lay.index_q is not None:
         out = out.new_zeros(B * Sq, HQ, Dv).index_put((lay.index_q,), out)
         if lse is not None:
-            sinks = options.get("sinks")
-            alone = lse.new_full((B * Sq, HQ), -torch.inf) if sinks is None else sinks.float().expand(B * Sq, HQ)
-            lse = alone.index_put((lay.index_q,), lse)
+            lse = listed.sink_alone(options.get("sinks"), (B * Sq, HQ), lse.device).index_put((lay.index_q,), lse)
     out = out.view(B, Sq, HQ, Dv)
     return out if lse is None else (out, lse.view(B, Sq, HQ))
 

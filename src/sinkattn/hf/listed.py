@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["entries", "merge", "joined", "CHUNK_SCORES"]
+__all__ = ["entries", "merge", "joined", "sink_alone", "CHUNK_SCORES"]
 
 
 CHUNK_SCORES = 1 << 24
@@ -57,6 +57,13 @@ def _entries(q, k, v, seen, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return o.reshape(B, Sq, HQ, -1), lse.permute(0, 3, 1, 2).reshape(B, Sq, HQ)
 
 
+def sink_alone(sinks, shape, device) -> torch.Tensor:
+    """The lse of rows that see no key, fp32 of ``shape [..., HQ]``: the sink's logit, -inf without sinks."""
+    if sinks is None:
+        return torch.full(shape, -torch.inf, device=device)
+    return sinks.float().expand(shape)
+
+
 def merge(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
     """One softmax's output from two disjoint key sets' ``(o, lse)`` (``o [.., H, Dv]``, ``lse [.., H]``):
     ``(e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})``, fp32; 0 where both are -inf."""
@@ -75,7 +82,6 @@ def joined(q, k, v, seen, options, o_w=None, lse_w=None) -> torch.Tensor:
     scale = options["softmax_scale"] or q.shape[-1] ** -0.5
     o_c, lse_c = entries(q, k, v, seen, scale)
     if o_w is None:
-        sinks = options.get("sinks")
         o_w = torch.zeros_like(o_c)
-        lse_w = torch.full_like(lse_c, -torch.inf) if sinks is None else sinks.float().expand_as(lse_c)
+        lse_w = sink_alone(options.get("sinks"), lse_c.shape, lse_c.device)
     return merge(o_w, lse_w, o_c, lse_c).to(q.dtype)

@@ -280,12 +280,13 @@ def key_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offs
     (``INDEXED``); for a model with compressed layers, which extend the mask, the additive float one
     (``COMPRESSED``)."""
     config = kwargs.get("config")
-    if _indexed(config) or _compressed(config):
+    compressed = _compressed(config)
+    if _indexed(config) or compressed:
         from transformers import masking_utils as mu
 
         use_vmap = bool(kwargs.get("use_vmap", False))
         pattern_window(mask_function, local_size, use_vmap)     # a pattern we know
-        if _compressed(config):
+        if compressed:
             return mu.eager_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                                  dtype=kwargs.get("dtype") or torch.float32, use_vmap=use_vmap, device=device)
         return mu.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
