@@ -3,8 +3,8 @@
 A backend's forward computes, for each row, the softmax over its visible keys only, without the
 sink (``sinkattn.backends``)::
 
-    m     = max_j s_ij                       -inf for a row that sees no key
-    log_l = log sum_j exp(s_ij - m)          -inf for such a row
+    m     = max_j s_ij                       any value for a row that sees no key
+    log_l = log sum_j exp(s_ij - m)          -inf for such a row: this is what marks it
     o     = sum_j exp(s_ij - m) v_j / l      0 for such a row
 
 ``Stats(m, log_l)`` holds the two statistics, fp32 ``[HQ, T]``, in the backend's log base
@@ -18,13 +18,14 @@ Two results over disjoint key sets of the same rows merge by the log-sum-exp rul
 context parallelism folds one tile after another, and the sink joins every call exactly once, at
 the end, as one more "key" of logit ``sink_h`` and no value (``with_sink``):
 
-    c     = max(m_a, m_b)                    (a finite stand-in where both are infinite)
+    c     = max(m_a, m_b) over the parts that hold keys (a finite stand-in where neither has a finite m)
     Z     = exp(m_a - c + log_l_a) + exp(m_b - c + log_l_b)
     o     = exp(m_a - c + log_l_a) / Z * o_a + exp(m_b - c + log_l_b) / Z * o_b
     Stats = (c, log Z)
 
-A part without keys (``log_l = -inf``) adds nothing to ``o``, whatever the other part holds: a row
-that sees no key has ``o = 0``, and ``lse = sink_h`` (NaN for a NaN sink); a ``+inf`` sink takes all
+A part without keys (``log_l = -inf``) adds nothing to ``o`` and takes no part in the shift ``c``,
+whatever its ``m`` holds (the backends leave their own shift there): a row that sees no key has
+``o = 0`` and ``lse = sink_h`` exactly, for any finite sink (NaN for a NaN sink); a ``+inf`` sink takes all
 the mass (``o = 0``, ``lse = +inf``); a NaN sink makes ``o`` NaN on every row of its head that sees a
 key. The backward uses the final statistics and, per row, ``Delta = <dO, o> - dlse`` (``row_delta``);
 ``sink_mass`` is the sink's probability per row and ``dsinks_from`` the sink's gradient.
@@ -37,7 +38,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Stats", "merge", "with_sink", "lse_of", "row_delta", "sink_mass", "dsinks_from", "LOG2E", "LN2"]
+__all__ = ["Stats", "merge", "with_sink", "stats_of_lse", "lse_without_keys", "lse_of", "row_delta", "sink_mass",
+           "dsinks_from", "LOG2E", "LN2"]
 
 LOG2E = 1.4426950408889634
 """log2(e): a natural-log value times it is the same value in base 2."""
@@ -60,23 +62,29 @@ def _log(x: torch.Tensor, base2: bool) -> torch.Tensor:
     return torch.log2(x) if base2 else torch.log(x)
 
 
-def _shift(m_a: torch.Tensor, m_b: torch.Tensor) -> torch.Tensor:
-    """The larger of the finite ones of ``m_a``, ``m_b``; 0 where neither is finite (so no ``-inf - -inf``
-    or ``inf - inf`` is formed). Four element-wise ops: the merge runs on every call."""
-    def finite(m):
-        return torch.nan_to_num(m, nan=-math.inf, posinf=-math.inf, neginf=-math.inf)
-    return torch.nan_to_num(torch.maximum(finite(m_a), finite(m_b)), neginf=0.0)
+def _top(part: Stats) -> torch.Tensor:
+    """A part's maximum where it counts in the shift: ``m`` where it is finite and the part holds keys
+    (``log_l > -inf``), else ``-inf``."""
+    return torch.where(torch.isfinite(part.m) & (part.log_l != -math.inf), part.m, -math.inf)
+
+
+def _shift(a: Stats, b: Stats) -> torch.Tensor:
+    """The larger of the parts' ``_top``; 0 where neither has one (so no ``-inf - -inf`` or ``inf - inf`` is
+    formed, and a keyless part's ``m`` never decides the shift)."""
+    return torch.nan_to_num(torch.maximum(_top(a), _top(b)), neginf=0.0)
 
 
 def _masses(a: Stats, b: Stats, base2: bool):
     """``(mass_a, mass_b, c)``: each part's denominator relative to the shift ``c`` (``_shift``)."""
-    c = _shift(a.m, b.m)
+    c = _shift(a, b)
     return _exp(a.m - c + a.log_l, base2), _exp(b.m - c + b.log_l, base2), c
 
 
 def _weight(mass: torch.Tensor, z: torch.Tensor, part: Stats) -> torch.Tensor:
-    """A part's share of the merged row; 0 for a part without keys (its ``o`` is 0, nothing to add)."""
-    return torch.where(part.log_l == -math.inf, 0.0, mass / z)
+    """A part's share of the merged row; 0 for a part without keys (its ``o`` is 0, nothing to add). ``z = 0``
+    (no keys and no sink anywhere) divides by 1 instead, so that autograd through a merge never forms
+    ``0 / 0``."""
+    return torch.where(part.log_l == -math.inf, 0.0, mass / torch.where(z == 0, 1.0, z))
 
 
 def _per_row(w: torch.Tensor) -> torch.Tensor:
@@ -102,10 +110,24 @@ def with_sink(o: torch.Tensor, stats: Stats, sinks: torch.Tensor | None, base2: 
         return o, stats
     sink = sinks.float().view(-1, *([1] * (stats.m.dim() - 1)))
     sink = sink * LOG2E if base2 else sink
-    c = _shift(stats.m, sink)                                   # the sink is one key: its log_l is 0
+    c = _shift(stats, Stats(sink, torch.zeros_like(sink)))     # the sink is one key: its log_l is 0
     mass_keys = _exp(stats.m - c + stats.log_l, base2)
     z = mass_keys + _exp(sink - c, base2)
     return o.mul_(_per_row(_weight(mass_keys, z, stats)).to(o.dtype)), Stats(c, _log(z, base2))
+
+
+def stats_of_lse(lse: torch.Tensor) -> Stats:
+    """A result known by its ``lse`` alone (natural units, any shape) as ``Stats``: ``(lse, 0)``, and
+    ``log_l = -inf`` where ``lse = -inf`` (no key)."""
+    return Stats(lse, torch.where(lse == -math.inf, -math.inf, 0.0))
+
+
+def lse_without_keys(sinks: torch.Tensor | None, shape, device) -> torch.Tensor:
+    """fp32 ``shape [..., HQ]``: the ``lse`` of rows that see no key, their sink's logit (``with_sink`` of a
+    keyless row), or ``-inf`` without sinks."""
+    if sinks is None:
+        return torch.full(shape, -math.inf, device=device)
+    return sinks.float().expand(shape)
 
 
 def lse_of(stats: Stats, base2: bool = False) -> torch.Tensor:

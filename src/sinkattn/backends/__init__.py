@@ -7,7 +7,8 @@
 
 The forward computes the softmax over each row's visible keys only, **without** the sink:
 ``o [Tq, HQ, D]`` in ``CAPABILITIES.out_dtype`` and ``Stats(m, log_l) [HQ, Tq]`` in its base
-(``sinkattn.sink``, where the sink joins once for every backend). ``batch`` is a ``Batch`` (packed:
+(``sinkattn.sink``, where the sink joins once for every backend); a row that sees no key has ``o = 0``
+and ``log_l = -inf``, its ``m`` any value. ``batch`` is a ``Batch`` (packed:
 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, contiguous), or None for a dense call without gradient
 handed over as it is (``q [B, Sq, HQ, D]``, any strides; only to a backend that declares ``dense``,
 which returns ``o [B, Sq, HQ, D]`` and ``Stats [HQ, B*Sq]``, or None to have it packed).

@@ -84,11 +84,6 @@ def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> la
     return layout.split(cu_seqlens_q, cu_seqlens_k, lambda Lq, Lk: cpu_small.takes(Lq, Lk, HQ))
 
 
-def _fused_stats(lse_keys: torch.Tensor) -> sink.Stats:
-    """The fused kernel's log-sum-exp over keys as ``Stats``: ``(lse, 0)``, ``log_l = -inf`` on rows without keys."""
-    return sink.Stats(lse_keys, torch.where(lse_keys == _NEG_INF, _NEG_INF, 0.0))
-
-
 def _dense(q, k, v, window, softmax_scale):
     """An inference call on a dense batch as it is (any strides), when one unmasked fused-kernel call
     covers it (decoding, full or square causal attention) and ``q``, ``k`` are finite with scores
@@ -108,7 +103,7 @@ def _dense(q, k, v, window, softmax_scale):
         return None
     o, lse = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
                                            part, softmax_scale)                  # [B, HQ, Sq, D], [B, HQ, Sq]
-    return o.transpose(1, 2), _fused_stats(lse.transpose(0, 1).reshape(HQ, B * Sq))
+    return o.transpose(1, 2), sink.stats_of_lse(lse.transpose(0, 1).reshape(HQ, B * Sq))
 
 
 def forward(q, k, v, batch, window, softmax_scale, needs_grad):
@@ -144,7 +139,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
         cpu_fused.forward(q32, k32, v32, parts.runs, out, m, softmax_scale, window)
         for run in parts.runs:
             rows = slice(run.tq, run.tq + run.n * run.Lq)
-            m[:, rows], log_l[:, rows] = _fused_stats(m[:, rows])
+            m[:, rows], log_l[:, rows] = sink.stats_of_lse(m[:, rows])
     else:
         cpu_tiles.forward(q32, k32, v32, parts.runs, out, m, log_l, softmax_scale, window, literal)
     cpu_small.forward(q32, k32, v32, parts.small, out, m, log_l, softmax_scale, window, literal)

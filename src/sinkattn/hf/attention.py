@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import sink
 from ..interface import sink_attn_func, sink_attn_varlen_func
 from ..masks import Window
 from . import compressed, context, heads, layout, listed
@@ -101,7 +102,7 @@ def _varlen(q, k, v, lay: layout.Layout, options) -> torch.Tensor | tuple[torch.
     if lay.index_q is not None:
         out = out.new_zeros(B * Sq, HQ, Dv).index_put((lay.index_q,), out)
         if lse is not None:
-            lse = listed.sink_alone(options.get("sinks"), (B * Sq, HQ), lse.device).index_put((lay.index_q,), lse)
+            lse = sink.lse_without_keys(options.get("sinks"), (B * Sq, HQ), lse.device).index_put((lay.index_q,), lse)
     out = out.view(B, Sq, HQ, Dv)
     return out if lse is None else (out, lse.view(B, Sq, HQ))
 

@@ -6,7 +6,8 @@ sets A and B of one softmax with the sink give, from each set's ``(o, lse)``,
 
     o = (e^{lse_A} o_A + e^{lse_B} o_B) / (e^{lse_A} + e^{lse_B})
 
-exactly; the set that holds the sink has it in its lse (``lse = sink`` and ``o = 0`` for the sink alone).
+exactly: ``sinkattn.sink.merge``, whose rules for rows without keys are the library's. The set that holds
+the sink has it in its lse; without a window part the sink joins the entries (``sinkattn.sink.with_sink``).
 The listed keys cost eager's arithmetic over them (scores ``[B, HQ, Sq, T]``), in blocks of queries
 (``CHUNK_SCORES``) recomputed in the backward, so memory stays bounded.
 """
@@ -16,7 +17,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["entries", "merge", "joined", "sink_alone", "CHUNK_SCORES"]
+from .. import defaults, sink
+
+__all__ = ["entries", "joined", "CHUNK_SCORES"]
 
 
 CHUNK_SCORES = 1 << 24
@@ -57,31 +60,16 @@ def _entries(q, k, v, seen, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return o.reshape(B, Sq, HQ, -1), lse.permute(0, 3, 1, 2).reshape(B, Sq, HQ)
 
 
-def sink_alone(sinks, shape, device) -> torch.Tensor:
-    """The lse of rows that see no key, fp32 of ``shape [..., HQ]``: the sink's logit, -inf without sinks."""
-    if sinks is None:
-        return torch.full(shape, -torch.inf, device=device)
-    return sinks.float().expand(shape)
-
-
-def merge(o_a, lse_a, o_b, lse_b) -> torch.Tensor:
-    """One softmax's output from two disjoint key sets' ``(o, lse)`` (``o [.., H, Dv]``, ``lse [.., H]``):
-    ``(e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})``, fp32; 0 where both are -inf."""
-    top = torch.maximum(lse_a, lse_b)
-    top = torch.where(torch.isinf(top), 0.0, top)
-    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    total = w_a + w_b
-    total = torch.where(total > 0, total, 1.0)
-    return (w_a.unsqueeze(-1) * o_a.float() + w_b.unsqueeze(-1) * o_b) / total.unsqueeze(-1)
-
-
 def joined(q, k, v, seen, options, o_w=None, lse_w=None) -> torch.Tensor:
     """The layer's output from the window part ``(o_w [B, Sq, HQ, Dv], lse_w fp32 [B, Sq, HQ])`` and the
     entries ``k [B, T, HKV, D]``, ``v [B, T, HKV, Dv]`` each query sees (``seen bool [B, Sq, T]``), in q's
-    dtype. No window part (None): the sink alone, ``o_w = 0`` and ``lse_w = sinks`` (-inf without)."""
-    scale = options["softmax_scale"] or q.shape[-1] ** -0.5
+    dtype: the two merged by ``sinkattn.sink.merge``. No window part (None): the entries and the sink
+    alone (``sinkattn.sink.with_sink``)."""
+    scale = defaults.softmax_scale(q.shape[-1], options.get("softmax_scale"))
     o_c, lse_c = entries(q, k, v, seen, scale)
+    entries_stats = sink.stats_of_lse(lse_c.permute(2, 0, 1))                 # [HQ, B, Sq]
     if o_w is None:
-        o_w = torch.zeros_like(o_c)
-        lse_w = sink_alone(options.get("sinks"), lse_c.shape, lse_c.device)
-    return merge(o_w, lse_w, o_c, lse_c).to(q.dtype)
+        o, _ = sink.with_sink(o_c, entries_stats, options.get("sinks"))
+    else:
+        o, _ = sink.merge(o_w.float(), sink.stats_of_lse(lse_w.permute(2, 0, 1)), o_c, entries_stats)
+    return o.to(q.dtype)

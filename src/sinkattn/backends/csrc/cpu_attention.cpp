@@ -827,7 +827,8 @@ void join_sink_op(at::Tensor o, at::Tensor m, at::Tensor log_l, const at::Tensor
       const float sink = SK[h];
       for (int64_t t = 0; t < T; ++t) {
         const int64_t at = h * T + t;
-        float c = std::max(finite_or_floor(M[at]), finite_or_floor(sink));   // sink.py's _shift
+        const float top = LL[at] == kNegInf ? kNegInf : finite_or_floor(M[at]);   // a keyless row's m never counts
+        float c = std::max(top, finite_or_floor(sink));   // sink.py's _shift
         if (c == kNegInf) c = 0.0f;
         const float mass_keys = std::exp((M[at] - c) + LL[at]);
         const float z = mass_keys + std::exp(sink - c);
