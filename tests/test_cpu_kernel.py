@@ -349,20 +349,30 @@ def test_auto_mode_with_a_failing_build_warns_once_and_runs_the_tiles(tmp_path):
 
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
 def test_a_fresh_process_builds_into_its_cache_and_the_next_one_loads_it(tmp_path):
-    """A user's first call compiles (into ``SINKATTN_CACHE``); a second process finds the library there."""
+    """A user's first call, an inference call too, compiles (into ``SINKATTN_CACHE``) and says so once, on
+    stderr (the ``sinkattn`` logger's warning, with no logging set up); a second process finds the library
+    there and says nothing."""
     child = ("import sinkattn, torch\n"
              "from sinkattn.backends import cpu_native\n"
-             "q = torch.randn(1, 8, 2, 8, requires_grad=True)\n"
+             "q = torch.randn(1, 8, 2, 8)\n"
+             "sinkattn.sink_attn_func(q, q, q, causal=True)\n"
+             "q.requires_grad_()\n"
              "sinkattn.sink_attn_func(q, q.detach(), q.detach(), causal=True).sum().backward()\n"
              "print(cpu_native.describe())\n")
-    env = dict(os.environ, SINKATTN_CACHE=str(tmp_path / "cache"), SINKATTN_CPU_KERNEL="compiled")
-    built = []
+    env = dict(os.environ, SINKATTN_CACHE=str(tmp_path / "cache"), SINKATTN_CPU_KERNEL="auto")
+    built, said = [], []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.startswith("compiled kernel ("), run.stdout
         built.append({p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()})
+        said.append([line for line in run.stderr.splitlines() if "sinkattn" in line])
     assert len(built[0]) == 1 and built[1] == built[0]      # one library, not built again
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert said[0] == [f"sinkattn: building the CPU backend's kernel for {isa} into "
+                       f"{tmp_path / 'cache' / next(iter(built[0]))} (about 15-90 s, once per machine, torch "
+                       f"version and sinkattn version)"], said[0]
+    assert said[1] == []
 
 
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")

@@ -5,18 +5,20 @@ sequence of a packed batch in one call, with the element-wise work fused between
 (oneDNN's batch-reduce GEMM through ``at::native::cpublas::brgemm``), so a call is one kernel rather
 than a few hundred PyTorch ops. Inputs holding NaN or inf still take ``cpu_tiles`` (``nonfinite``).
 
-Build: the C++ compiler (``$CXX``, else ``c++``) compiles the one source against the installed torch
-for the instruction set PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX512,
-AVX2 or the portable default, so ``ATEN_CPU_CAPABILITY`` chooses it too), once per source, torch and
-instruction set, into ``$SINKATTN_CACHE`` (default ``~/.cache/sinkattn``); later processes load it in
-milliseconds. A library ends with a record of itself (``_RECORD``: a magic, its length, its sha256), appended
-before the one atomic ``os.replace`` that installs it, so record and library cannot disagree, whichever of
-several processes building at once installs last; a library the record does not vouch for (cut short by an
-interrupted copy or a full disk, bytes changed, or no record: an older sinkattn's) is never loaded (loading
-a library cut short kills the process: SIGBUS): ``auto`` builds it again, ``compiled`` refuses it.
-``SINKATTN_CPU_KERNEL`` picks the path: ``auto`` (default: the compiled kernel, or ``cpu_tiles`` when it
-cannot be built: no compiler, a failed build, which warns once), ``compiled`` (an error when it cannot be
-built) or ``python`` (``cpu_tiles`` always).
+Build: the C++ compiler (``$CXX``, else ``c++``) compiles the one source against the installed torch for the
+instruction set PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or the
+portable default, so ``ATEN_CPU_CAPABILITY`` chooses it too), once per source, torch and instruction set,
+into ``$SINKATTN_CACHE`` (default ``~/.cache/sinkattn``); later processes load it in milliseconds. A build
+says so first, once, through the ``sinkattn`` logger (a warning: on stderr where the application set up no
+logging; ``logging.getLogger("sinkattn").setLevel(logging.ERROR)`` silences it). A library ends with a
+record of itself (``_RECORD``: a magic, its length, its sha256), appended before the one atomic
+``os.replace`` that installs it, so record and library cannot disagree, whichever of several processes
+building at once installs last; a library the record does not vouch for (cut short by an interrupted copy or
+a full disk, bytes changed, or no record: an older sinkattn's) is never loaded (loading a library cut short
+kills the process: SIGBUS): ``auto`` builds it again, ``compiled`` refuses it. ``SINKATTN_CPU_KERNEL`` picks
+the path: ``auto`` (default: the compiled kernel, or ``cpu_tiles`` when it cannot be built: no compiler, a
+failed build, which warns once), ``compiled`` (an error when it cannot be built) or ``python``
+(``cpu_tiles`` always).
 
 Products: the kernel multiplies in fp32, except for inputs that are bf16 (``q``, ``k``, ``v``, and ``dO`` in
 the backward) when ``SINKATTN_CPU_PRODUCTS`` says so: ``bf16`` takes bf16 x bf16 -> fp32 products for them
@@ -30,6 +32,7 @@ not held below AMX (``sinkattn.testing.isa``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import struct
@@ -62,6 +65,7 @@ _ISA_FLAGS = {
 _RECORD = struct.Struct("<16sQ32s")   # the end of a library: magic, the length of what precedes it, its sha256
 _MAGIC = b"sinkattn-kernel\x01"        # the last byte: the record's version
 
+_log = logging.getLogger("sinkattn")
 _lock = threading.Lock()
 _state: dict[str, object] = {}       # "ops" (the loaded namespace) or "error" (why there is none); "warnings"
 
@@ -150,6 +154,8 @@ def _build(target: Path) -> None:
     if found is None:
         raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r} not found; set CXX)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _log.warning("sinkattn: building the CPU backend's kernel for %s into %s (about 15-90 s, once per machine, "
+                 "torch version and sinkattn version)", _isa(), target)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
