@@ -252,9 +252,12 @@ print(json.dumps({"finite": finite, "path": cpu_native.describe(),
 """
 
 
-def _fresh_process(tmp_path, mode, compiler):
-    """A first call in a new process (the kernel is loaded once per process) with this mode and ``CXX``."""
-    env = dict(os.environ, SINKATTN_CPU_KERNEL=mode, CXX=str(compiler), SINKATTN_CACHE=str(tmp_path / "cache"))
+def _fresh_process(tmp_path, mode, compiler, **env):
+    """A first call in a new process (the kernel is loaded once per process) with this mode and ``CXX``
+    (and other variables: ``None`` removes one)."""
+    env = {**os.environ, "SINKATTN_CPU_KERNEL": mode, "CXX": str(compiler),
+           "SINKATTN_CACHE": str(tmp_path / "cache"), **env}
+    env = {name: value for name, value in env.items() if value is not None}
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode >= 0, f"killed by signal {-run.returncode}: {run.stderr[-3000:]}"
     assert run.returncode == 0, run.stderr[-3000:]
@@ -330,10 +333,21 @@ def test_compiled_mode_without_a_compiler_raises(tmp_path):
                                     "no C++ compiler"), got
 
 
-def test_auto_mode_without_a_compiler_runs_the_tiles_quietly(tmp_path):
-    got = _fresh_process(tmp_path, "auto", tmp_path / "no-such-compiler")
-    assert got["finite"] == [True, True] and got["warnings"] == [], got
+@pytest.mark.parametrize("missing", ["CXX", "PATH"])
+def test_auto_mode_without_a_compiler_warns_once_and_runs_the_tiles(missing, tmp_path):
+    """``CXX`` naming no compiler, or no ``c++`` on ``PATH``: the slower PyTorch-op tiles run, and the first
+    call says so, naming the fixes; ``SINKATTN_CPU_KERNEL=python`` chooses them quietly."""
+    env = {"CXX": "/nonexistent"} if missing == "CXX" else {"CXX": None, "PATH": str(tmp_path)}
+    got = _fresh_process(tmp_path, "auto", None, **env)
+    assert got["finite"] == [True, True] and len(got["warnings"]) == 1, got
+    said = got["warnings"][0]
+    assert said.startswith("sinkattn: no C++ compiler (" + ("CXX='/nonexistent'" if missing == "CXX" else
+                                                           "'c++' not found on PATH")), said
+    for fix in ("slower", "install a C++ compiler", "set CXX", "set SINKATTN_CPU_KERNEL=python"):
+        assert fix in said, (fix, said)
     assert got["path"].startswith("PyTorch-op tiles (compiled kernel unavailable: no C++ compiler"), got
+    quiet = _fresh_process(tmp_path, "python", None, **env)
+    assert quiet["finite"] == [True, True] and quiet["warnings"] == [], quiet
 
 
 def test_auto_mode_with_a_failing_build_warns_once_and_runs_the_tiles(tmp_path):

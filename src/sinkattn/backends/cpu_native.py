@@ -17,7 +17,7 @@ building at once installs last; a library the record does not vouch for (cut sho
 a full disk, bytes changed, or no record: an older sinkattn's) is never loaded (loading a library cut short
 kills the process: SIGBUS): ``auto`` builds it again, ``compiled`` refuses it. ``SINKATTN_CPU_KERNEL`` picks
 the path: ``auto`` (default: the compiled kernel, or ``cpu_tiles`` when it cannot be built: no compiler, a
-failed build, which warns once), ``compiled`` (an error when it cannot be built) or ``python``
+failed build; either warns once, naming the fix), ``compiled`` (an error when it cannot be built) or ``python``
 (``cpu_tiles`` always).
 
 Products: the kernel multiplies in fp32, except for inputs that are bf16 (``q``, ``k``, ``v``, and ``dO`` in
@@ -149,10 +149,16 @@ def library_path() -> Path:
     return _cache_dir() / f"cpu_attention-{_isa().lower()}-{key.hexdigest()[:16]}.so"
 
 
+class _NoCompiler(RuntimeError):
+    pass
+
+
 def _build(target: Path) -> None:
     found = compiler()
     if found is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r} not found; set CXX)")
+        named = os.environ.get("CXX")
+        raise _NoCompiler(f"no C++ compiler (CXX={named!r}: not found)" if named else
+                          "no C++ compiler ('c++' not found on PATH, and CXX is not set)")
     target.parent.mkdir(parents=True, exist_ok=True)
     _log.warning("sinkattn: building the CPU backend's kernel for %s into %s (about 15-90 s, once per machine, "
                  "torch version and sinkattn version)", _isa(), target)
@@ -231,8 +237,11 @@ def load(quiet: bool = False):
                 _state["ops"] = _open(chosen)
             except (RuntimeError, OSError, subprocess.SubprocessError) as error:
                 _state["error"] = str(error)
-                if compiler() is not None and chosen == "auto":
+                if chosen == "auto":
                     _state.setdefault("warnings", []).append(
+                        f"sinkattn: {error}: the CPU backend runs its PyTorch-op tiles instead of its compiled "
+                        f"kernel, up to about 2x slower; install a C++ compiler, set CXX to one, or set {_ENV}=python "
+                        f"to choose the PyTorch-op tiles quietly" if isinstance(error, _NoCompiler) else
                         f"sinkattn: the compiled CPU kernel is not available ({error}); the CPU backend runs its "
                         f"PyTorch-op tiles instead (set {_ENV}=python to choose them quietly)")
         told = () if quiet else _state.pop("warnings", ())
