@@ -289,17 +289,22 @@ def built_library():
         patch.setattr(cpu_native, "_state", {})
         patch.setenv("SINKATTN_CPU_KERNEL", "compiled")
         cpu_native.load()
-    return cpu_native.library_path().read_bytes()
+    path = cpu_native.library_path()
+    assert cpu_native._damage(path) is None, path          # a build's record vouches for it
+    return path.read_bytes()
 
 
-def _stand_in_compiler(tmp_path, built_library, seconds=0):
+def _stand_in_compiler(tmp_path, built_library, together=1):
     """A compiler that "builds" by copying this machine's real build (without its record, as a compiler
-    writes it) after ``seconds``, and counts its builds in ``tmp_path/builds``: the tests do not compile."""
+    writes it), once ``together`` builds have started (or a minute has passed), and counts its builds in
+    ``tmp_path/builds``: the tests do not compile."""
     (tmp_path / "body.so").write_bytes(built_library[:-RECORD])
     compiler = tmp_path / "stand-in-c++"
     compiler.write_text(f"#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n"
-                        f"sleep {seconds}\necho built >> {tmp_path / 'builds'}\n"
-                        f"cp {tmp_path / 'body.so'} \"$out\"\n")
+                        f"touch {tmp_path}/started.$$; i=0\n"
+                        f"while [ $(ls {tmp_path} | grep -c ^started) -lt {together} ] && [ $i -lt 600 ]; do\n"
+                        f"    sleep 0.1; i=$((i + 1)); done\n"
+                        f"echo built >> {tmp_path / 'builds'}\ncp {tmp_path / 'body.so'} \"$out\"\n")
     compiler.chmod(0o755)
     return compiler
 
@@ -449,11 +454,11 @@ def test_the_compiled_sink_join_is_the_formula_of_sinkattn_sink_on_every_kind_of
 
 
 def test_processes_building_at_once_each_install_and_load_a_whole_library(built_library, tmp_path):
-    """Three first calls at once on an empty cache, each building (a stand-in compiler taking a second):
-    each installs its library with its record in one rename, so whichever lands last, each process loads
-    a library its record vouches for, and no half-written file is left."""
+    """Three first calls at once on an empty cache, each building (a stand-in compiler that finishes when all
+    three have started): each installs its library with its record in one rename, so whichever lands last,
+    each process loads a library its record vouches for, and no half-written file is left."""
     env = dict(os.environ, SINKATTN_CPU_KERNEL="compiled", SINKATTN_CACHE=str(tmp_path / "cache"),
-               CXX=str(_stand_in_compiler(tmp_path, built_library, seconds=1)))
+               CXX=str(_stand_in_compiler(tmp_path, built_library, together=3)))
     runs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env) for _ in range(3)]
     for run in runs:
