@@ -252,12 +252,84 @@ print(json.dumps({"finite": finite, "path": cpu_native.describe(),
 """
 
 
-def _fresh_process(tmp_path, mode, compiler):
-    """A first call in a new process (the kernel is loaded once per process) with this mode and ``CXX``."""
-    env = dict(os.environ, SINKATTN_CPU_KERNEL=mode, CXX=str(compiler), SINKATTN_CACHE=str(tmp_path / "cache"))
+def _fresh_process(tmp_path, mode, compiler, **env):
+    """A first call in a new process (the kernel is loaded once per process) with this mode and ``CXX``
+    (and other variables: ``None`` removes one)."""
+    env = {**os.environ, "SINKATTN_CPU_KERNEL": mode, "CXX": str(compiler),
+           "SINKATTN_CACHE": str(tmp_path / "cache"), **env}
+    env = {name: value for name, value in env.items() if value is not None}
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode >= 0, f"killed by signal {-run.returncode}: {run.stderr[-3000:]}"
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+RECORD = 56     # what a library ends with (cpu_native): magic (16 bytes), the body's length (8), its sha256 (32)
+
+
+def _damaged(data: bytes, how: str) -> bytes:
+    """A library's bytes as an interrupted copy, a full disk, a bad sector or an older sinkattn leaves them."""
+    if how == "third":
+        return data[:len(data) // 3]
+    if how == "empty":
+        return b""
+    if how == "flipped":
+        middle = len(data) // 2
+        return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:]
+    assert how == "unrecorded"          # sinkattn before the record: the library alone
+    return data[:-RECORD]
+
+
+@pytest.fixture(scope="module")
+def built_library():
+    """The bytes of this machine's library (built in this run's cache if it is not there yet)."""
+    if not COMPILER:
+        pytest.skip("no C++ compiler")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_native, "_state", {})
+        patch.setenv("SINKATTN_CPU_KERNEL", "compiled")
+        cpu_native.load()
+    path = cpu_native.library_path()
+    assert cpu_native._damage(path) is None, path          # a build's record vouches for it
+    return path.read_bytes()
+
+
+def _stand_in_compiler(tmp_path, built_library, together=1):
+    """A compiler that "builds" by copying this machine's real build (without its record, as a compiler
+    writes it), once ``together`` builds have started (or a minute has passed), and counts its builds in
+    ``tmp_path/builds``: the tests do not compile."""
+    (tmp_path / "body.so").write_bytes(built_library[:-RECORD])
+    compiler = tmp_path / "stand-in-c++"
+    compiler.write_text(f"#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n"
+                        f"touch {tmp_path}/started.$$; i=0\n"
+                        f"while [ $(ls {tmp_path} | grep -c ^started) -lt {together} ] && [ $i -lt 600 ]; do\n"
+                        f"    sleep 0.1; i=$((i + 1)); done\n"
+                        f"echo built >> {tmp_path / 'builds'}\ncp {tmp_path / 'body.so'} \"$out\"\n")
+    compiler.chmod(0o755)
+    return compiler
+
+
+@pytest.mark.parametrize("mode", ["auto", "compiled"])
+@pytest.mark.parametrize("how", ["third", "empty", "flipped", "unrecorded"])
+def test_a_damaged_library_is_never_loaded(how, mode, built_library, tmp_path):
+    """A library in the cache that its record does not vouch for (cut short, emptied, bytes changed, or
+    without a record) is not loaded: in ``auto`` it is built again (a stand-in compiler copies this
+    machine's real build, so the test does not compile) with one warning; in ``compiled`` the call
+    raises, naming the file and the fix. The process is never killed (dlopen of a library cut short:
+    SIGBUS)."""
+    path = tmp_path / "cache" / cpu_native.library_path().name
+    path.parent.mkdir()
+    path.write_bytes(_damaged(built_library, how))
+    got = _fresh_process(tmp_path, mode, _stand_in_compiler(tmp_path, built_library))
+    if mode == "auto":
+        assert got["finite"] == [True, True] and got["path"].startswith("compiled kernel ("), got
+        assert len(got["warnings"]) == 1 and f"{path} is damaged" in got["warnings"][0], got
+        assert (tmp_path / "builds").read_text() == "built\n"
+        assert path.read_bytes() == built_library          # built again, with its record
+    else:
+        assert isinstance(got["finite"], str) and f"{path} is damaged" in got["finite"], got
+        assert "delete it" in got["finite"] and "SINKATTN_CPU_KERNEL=auto" in got["finite"], got
+        assert not (tmp_path / "builds").exists() and path.read_bytes() == _damaged(built_library, how)
 
 
 def test_compiled_mode_without_a_compiler_raises(tmp_path):
@@ -266,10 +338,21 @@ def test_compiled_mode_without_a_compiler_raises(tmp_path):
                                     "no C++ compiler"), got
 
 
-def test_auto_mode_without_a_compiler_runs_the_tiles_quietly(tmp_path):
-    got = _fresh_process(tmp_path, "auto", tmp_path / "no-such-compiler")
-    assert got["finite"] == [True, True] and got["warnings"] == [], got
+@pytest.mark.parametrize("missing", ["CXX", "PATH"])
+def test_auto_mode_without_a_compiler_warns_once_and_runs_the_tiles(missing, tmp_path):
+    """``CXX`` naming no compiler, or no ``c++`` on ``PATH``: the slower PyTorch-op tiles run, and the first
+    call says so, naming the fixes; ``SINKATTN_CPU_KERNEL=python`` chooses them quietly."""
+    env = {"CXX": "/nonexistent"} if missing == "CXX" else {"CXX": None, "PATH": str(tmp_path)}
+    got = _fresh_process(tmp_path, "auto", None, **env)
+    assert got["finite"] == [True, True] and len(got["warnings"]) == 1, got
+    said = got["warnings"][0]
+    assert said.startswith("sinkattn: no C++ compiler (" + ("CXX='/nonexistent'" if missing == "CXX" else
+                                                           "'c++' not found on PATH")), said
+    for fix in ("slower", "install a C++ compiler", "set CXX", "set SINKATTN_CPU_KERNEL=python"):
+        assert fix in said, (fix, said)
     assert got["path"].startswith("PyTorch-op tiles (compiled kernel unavailable: no C++ compiler"), got
+    quiet = _fresh_process(tmp_path, "python", None, **env)
+    assert quiet["finite"] == [True, True] and quiet["warnings"] == [], quiet
 
 
 def test_auto_mode_with_a_failing_build_warns_once_and_runs_the_tiles(tmp_path):
@@ -285,20 +368,30 @@ def test_auto_mode_with_a_failing_build_warns_once_and_runs_the_tiles(tmp_path):
 
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
 def test_a_fresh_process_builds_into_its_cache_and_the_next_one_loads_it(tmp_path):
-    """A user's first call compiles (into ``SINKATTN_CACHE``); a second process finds the library there."""
+    """A user's first call, an inference call too, compiles (into ``SINKATTN_CACHE``) and says so once, on
+    stderr (the ``sinkattn`` logger's warning, with no logging set up); a second process finds the library
+    there and says nothing."""
     child = ("import sinkattn, torch\n"
              "from sinkattn.backends import cpu_native\n"
-             "q = torch.randn(1, 8, 2, 8, requires_grad=True)\n"
+             "q = torch.randn(1, 8, 2, 8)\n"
+             "sinkattn.sink_attn_func(q, q, q, causal=True)\n"
+             "q.requires_grad_()\n"
              "sinkattn.sink_attn_func(q, q.detach(), q.detach(), causal=True).sum().backward()\n"
              "print(cpu_native.describe())\n")
-    env = dict(os.environ, SINKATTN_CACHE=str(tmp_path / "cache"), SINKATTN_CPU_KERNEL="compiled")
-    built = []
+    env = dict(os.environ, SINKATTN_CACHE=str(tmp_path / "cache"), SINKATTN_CPU_KERNEL="auto")
+    built, said = [], []
     for _ in range(2):
         run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.startswith("compiled kernel ("), run.stdout
         built.append({p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").iterdir()})
+        said.append([line for line in run.stderr.splitlines() if "sinkattn" in line])
     assert len(built[0]) == 1 and built[1] == built[0]      # one library, not built again
+    isa = torch.backends.cpu.get_cpu_capability()
+    assert said[0] == [f"sinkattn: building the CPU backend's kernel for {isa} into "
+                       f"{tmp_path / 'cache' / next(iter(built[0]))} (about 15-90 s, once per machine, torch "
+                       f"version and sinkattn version)"], said[0]
+    assert said[1] == []
 
 
 @pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
@@ -358,3 +451,21 @@ def test_the_compiled_sink_join_is_the_formula_of_sinkattn_sink_on_every_kind_of
         assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[special & ~torch.isnan(b)],
                                                                           b[special & ~torch.isnan(b)])
         torch.testing.assert_close(a[~special], b[~special], rtol=4 * 2**-23, atol=1e-30)
+
+
+def test_processes_building_at_once_each_install_and_load_a_whole_library(built_library, tmp_path):
+    """Three first calls at once on an empty cache, each building (a stand-in compiler that finishes when all
+    three have started): each installs its library with its record in one rename, so whichever lands last,
+    each process loads a library its record vouches for, and no half-written file is left."""
+    env = dict(os.environ, SINKATTN_CPU_KERNEL="compiled", SINKATTN_CACHE=str(tmp_path / "cache"),
+               CXX=str(_stand_in_compiler(tmp_path, built_library, together=3)))
+    runs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env) for _ in range(3)]
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["finite"] == [True, True] and got["path"].startswith("compiled kernel ("), got
+    assert (tmp_path / "builds").read_text() == "built\n" * 3
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [cpu_native.library_path().name]
+    assert (tmp_path / "cache" / cpu_native.library_path().name).read_bytes() == built_library

@@ -1,5 +1,8 @@
 """One test per input rule of docs/contract.md §2: the error type, and a message that names the argument."""
 
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -68,7 +71,7 @@ RULES = [
     ("backend_name", dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
     ("backend_type", dict(backend=None), TypeError, ["backend", "str"]),
     ("scale_huge_int", dict(softmax_scale=10**400), ValueError, ["softmax_scale", "finite"]),
-    ("scale_beyond_fp32", dict(softmax_scale=3e38), ValueError, ["softmax_scale", "2.36e+38"]),
+    ("scale_beyond_fp32", dict(softmax_scale=3e38), ValueError, ["softmax_scale", "2.3586574916681825e+38"]),
     ("scores_beyond_fp32", dict(softmax_scale=1e38), ValueError, ["scores", "fp32", "softmax_scale"]),
     ("q_sparse", dict(q=torch.randn(10, 4, 8).to_sparse()), TypeError, ["q", "dense", "to_dense()"]),
     ("k_sparse", dict(k=torch.randn(12, 2, 8).to_sparse()), TypeError, ["k", "dense", "to_dense()"]),
@@ -93,6 +96,23 @@ def test_rule(changes, error, words):
         _call(**changes)
     for word in words:
         assert word in str(info.value), f"{word!r} not in {info.value}"
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_softmax_scale_bound_is_printed_in_full_and_itself_accepted(sign):
+    """A scale just above the bound (2.36e38 too, the bound rounded) is refused with a message whose printed
+    bound and printed value differ; the bound itself is a scale (scores stay finite where k is zero)."""
+    from sinkattn.validation import MAX_SOFTMAX_SCALE
+    for above in (math.nextafter(MAX_SOFTMAX_SCALE, math.inf), 2.36e38, np.float64(2.3586574916681828e38)):
+        with pytest.raises(ValueError) as info:
+            _call(softmax_scale=sign * above)
+        bound, got = str(info.value).split("<= ")[1].split(" (scores are fp32), got ")
+        assert bound == repr(MAX_SOFTMAX_SCALE) == "2.3586574916681825e+38", info.value
+        assert float(got.removeprefix("np.float64(").removesuffix(")")) == sign * above, info.value
+    out = _call(softmax_scale=sign * MAX_SOFTMAX_SCALE, k=torch.zeros(12, 2, 8), sinks=torch.zeros(4))
+    assert out.isfinite().all()
+    contract = (Path(__file__).parents[1] / "docs" / "contract.md").read_text()
+    assert "`|softmax_scale| <= 2.3586574916681825e38`" in contract      # the bound the contract states
 
 
 def test_dense_rank_and_batch():

@@ -227,8 +227,9 @@ def _softmax_scale(softmax_scale) -> None:
     except OverflowError:
         value = math.inf
     if not math.isfinite(value) or abs(value) > MAX_SOFTMAX_SCALE:
-        shown = repr(softmax_scale) if len(repr(softmax_scale)) <= 24 else repr(softmax_scale)[:20] + "..."
-        raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {MAX_SOFTMAX_SCALE:.3g} "
+        shown = repr(softmax_scale)          # in full where short, or finite (the bound's neighbours)
+        shown = shown if len(shown) <= 24 else repr(value) if math.isfinite(value) else shown[:20] + "..."
+        raise ValueError(f"softmax_scale must be finite with |softmax_scale| <= {MAX_SOFTMAX_SCALE!r} "
                          f"(scores are fp32), got {shown}")
 
 

@@ -5,13 +5,20 @@ sequence of a packed batch in one call, with the element-wise work fused between
 (oneDNN's batch-reduce GEMM through ``at::native::cpublas::brgemm``), so a call is one kernel rather
 than a few hundred PyTorch ops. Inputs holding NaN or inf still take ``cpu_tiles`` (``nonfinite``).
 
-Build: the C++ compiler (``$CXX``, else ``c++``) compiles the one source against the installed torch
-for the instruction set PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX512,
-AVX2 or the portable default, so ``ATEN_CPU_CAPABILITY`` chooses it too), once per source, torch and
-instruction set, into ``$SINKATTN_CACHE`` (default ``~/.cache/sinkattn``); later processes load it in
-milliseconds. ``SINKATTN_CPU_KERNEL`` picks the path: ``auto`` (default: the compiled kernel, or
-``cpu_tiles`` when it cannot be built: no compiler, a failed build, which warns once),
-``compiled`` (an error when it cannot be built) or ``python`` (``cpu_tiles`` always).
+Build: the C++ compiler (``$CXX``, else ``c++``) compiles the one source against the installed torch for the
+instruction set PyTorch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2 or the
+portable default, so ``ATEN_CPU_CAPABILITY`` chooses it too), once per source, torch and instruction set,
+into ``$SINKATTN_CACHE`` (default ``~/.cache/sinkattn``); later processes load it in milliseconds. A build
+says so first, once, through the ``sinkattn`` logger (a warning: on stderr where the application set up no
+logging; ``logging.getLogger("sinkattn").setLevel(logging.ERROR)`` silences it). A library ends with a
+record of itself (``_RECORD``: a magic, its length, its sha256), appended before the one atomic
+``os.replace`` that installs it, so record and library cannot disagree, whichever of several processes
+building at once installs last; a library the record does not vouch for (cut short by an interrupted copy or
+a full disk, bytes changed, or no record: an older sinkattn's) is never loaded (loading a library cut short
+kills the process: SIGBUS): ``auto`` builds it again, ``compiled`` refuses it. ``SINKATTN_CPU_KERNEL`` picks
+the path: ``auto`` (default: the compiled kernel, or ``cpu_tiles`` when it cannot be built: no compiler, a
+failed build; either warns once, naming the fix), ``compiled`` (an error when it cannot be built) or ``python``
+(``cpu_tiles`` always).
 
 Products: the kernel multiplies in fp32, except for inputs that are bf16 (``q``, ``k``, ``v``, and ``dO`` in
 the backward) when ``SINKATTN_CPU_PRODUCTS`` says so: ``bf16`` takes bf16 x bf16 -> fp32 products for them
@@ -25,8 +32,10 @@ not held below AMX (``sinkattn.testing.isa``).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -53,8 +62,12 @@ _ISA_FLAGS = {
     "DEFAULT": ["-DCPU_CAPABILITY=DEFAULT"],
 }
 
+_RECORD = struct.Struct("<16sQ32s")   # the end of a library: magic, the length of what precedes it, its sha256
+_MAGIC = b"sinkattn-kernel\x01"        # the last byte: the record's version
+
+_log = logging.getLogger("sinkattn")
 _lock = threading.Lock()
-_state: dict[str, object] = {}       # "ops" (the loaded namespace) or "error" (why there is none)
+_state: dict[str, object] = {}       # "ops" (the loaded namespace) or "error" (why there is none); "warnings"
 
 
 def mode() -> str:
@@ -132,14 +145,23 @@ def library_path() -> Path:
     """Where the build for this source, torch, Python and instruction set lives (it may not exist yet)."""
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {_ISA_FLAGS[_isa()]}".encode())
+    key.update(_MAGIC)      # a library without the record (an older sinkattn's) goes by another name
     return _cache_dir() / f"cpu_attention-{_isa().lower()}-{key.hexdigest()[:16]}.so"
+
+
+class _NoCompiler(RuntimeError):
+    pass
 
 
 def _build(target: Path) -> None:
     found = compiler()
     if found is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or 'c++'!r} not found; set CXX)")
+        named = os.environ.get("CXX")
+        raise _NoCompiler(f"no C++ compiler (CXX={named!r}: not found)" if named else
+                          "no C++ compiler ('c++' not found on PATH, and CXX is not set)")
     target.parent.mkdir(parents=True, exist_ok=True)
+    _log.warning("sinkattn: building the CPU backend's kernel for %s into %s (about 15-90 s, once per machine, "
+                 "torch version and sinkattn version)", _isa(), target)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -149,33 +171,82 @@ def _build(target: Path) -> None:
             log = target.with_suffix(".log")
             log.write_text(" ".join(command) + "\n\n" + done.stderr)
             raise RuntimeError(f"the build failed (exit {done.returncode}); the compiler's output is in {log}")
+        _seal(tmp)
         os.replace(tmp, target)            # atomic: processes building at once each install a whole library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def load():
+def _seal(path: str) -> None:
+    """Append the record to a library just built (ELF loaders read what its headers point at: bytes after
+    its end are ignored), on disk before it is installed."""
+    with open(path, "r+b") as f:
+        body = f.read()
+        f.write(_RECORD.pack(_MAGIC, len(body), hashlib.sha256(body).digest()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _damage(path: Path) -> str | None:
+    """Why the library at ``path`` is not to be loaded (its record does not vouch for it), or None."""
+    data = path.read_bytes()
+    if len(data) < _RECORD.size or data[-_RECORD.size:][:len(_MAGIC)] != _MAGIC:
+        return f"{len(data)} bytes, without the record a library ends with: cut short, or built by an older sinkattn"
+    _, length, digest = _RECORD.unpack_from(data, len(data) - _RECORD.size)
+    if length != len(data) - _RECORD.size:
+        return f"{len(data) - _RECORD.size} bytes before its record, which says {length}"
+    if hashlib.sha256(memoryview(data)[:length]).digest() != digest:
+        return "its bytes differ from the sha256 its record holds"
+    return None
+
+
+def _open(chosen: str):
+    """The kernel's ops in this process: its library verified and loaded, built first where there is none
+    or (``auto``) where it is damaged."""
+    if _registered():                      # a library defines its ops once per process
+        return torch.ops.sinkattn_cpu
+    path = library_path()
+    try:
+        damage = _damage(path)
+    except FileNotFoundError:
+        _build(path)
+    else:
+        if damage is not None:
+            if chosen == "compiled":
+                raise RuntimeError(f"the library {path} is damaged ({damage}): delete it, or run once with "
+                                   f"{_ENV}=auto, which builds it again")
+            _state.setdefault("warnings", []).append(
+                f"sinkattn: the compiled CPU kernel's library {path} is damaged ({damage}); it is built again")
+            _build(path)
+    torch.ops.load_library(str(path))
+    return torch.ops.sinkattn_cpu
+
+
+def load(quiet: bool = False):
     """``torch.ops.sinkattn_cpu``, built first if needed; None where the mode is ``python`` or (``auto``) the
-    kernel cannot be built. Raises ``RuntimeError`` in mode ``compiled`` when it cannot."""
+    kernel cannot be built. Raises ``RuntimeError`` in mode ``compiled`` when it cannot. What it has to say
+    (a damaged library built again, the PyTorch-op tiles taken instead) is a ``RuntimeWarning``, once, on the
+    first call that is not ``quiet``."""
     chosen = mode()
     if chosen == "python":
         return None
     with _lock:
         if "ops" not in _state and "error" not in _state:
             try:
-                if not _registered():      # a library defines its ops once per process
-                    path = library_path()
-                    if not path.exists():
-                        _build(path)
-                    torch.ops.load_library(str(path))
-                _state["ops"] = torch.ops.sinkattn_cpu
+                _state["ops"] = _open(chosen)
             except (RuntimeError, OSError, subprocess.SubprocessError) as error:
                 _state["error"] = str(error)
-                if compiler() is not None and chosen == "auto":
-                    warnings.warn(f"sinkattn: the compiled CPU kernel is not available ({error}); the CPU backend "
-                                  f"runs its PyTorch-op tiles instead (set {_ENV}=python to choose them quietly)",
-                                  RuntimeWarning, stacklevel=3)
+                if chosen == "auto":
+                    _state.setdefault("warnings", []).append(
+                        f"sinkattn: {error}: the CPU backend runs its PyTorch-op tiles instead of its compiled "
+                        f"kernel, up to about 2x slower; install a C++ compiler, set CXX to one, or set {_ENV}=python "
+                        f"to choose the PyTorch-op tiles quietly" if isinstance(error, _NoCompiler) else
+                        f"sinkattn: the compiled CPU kernel is not available ({error}); the CPU backend runs its "
+                        f"PyTorch-op tiles instead (set {_ENV}=python to choose them quietly)")
+        told = () if quiet else _state.pop("warnings", ())
+    for message in told:                   # once a process, on a call (describe() leaves them to the first)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
     if "error" in _state and chosen == "compiled":
         raise RuntimeError(f"{_ENV}=compiled, but the compiled CPU kernel is not available: {_state['error']}")
     return _state.get("ops")
@@ -207,6 +278,4 @@ def describe() -> str:
 
 
 def _quiet_load():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return load()
+    return load(quiet=True)
