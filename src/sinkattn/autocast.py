@@ -62,8 +62,12 @@ def autocast_inputs(q, k, v):
     return tuple(cast)
 
 
+_NOTHING = contextlib.nullcontext()
+
+
 def disabled(device: torch.device):
     """A context with autocast off on ``device``'s type, for the backends' own fp32 computations."""
-    if not torch.amp.is_autocast_available(device.type) or not torch.is_autocast_enabled(device.type):
-        return contextlib.nullcontext()          # nothing to turn off (a call without autocast pays nothing)
+    if not torch._C._is_any_autocast_enabled() or not torch.amp.is_autocast_available(device.type) \
+            or not torch.is_autocast_enabled(device.type):
+        return _NOTHING                          # nothing to turn off (a call without autocast pays nothing)
     return torch.autocast(device.type, enabled=False)

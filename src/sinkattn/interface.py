@@ -8,21 +8,12 @@ gradients of ``out`` and ``lse`` to the backend's backward). Everything here tra
 
 from __future__ import annotations
 
-import torch
 
 from . import dtensor, ops, validation
 from .autocast import autocast_inputs
 from .call import settle
 
 __all__ = ["sink_attn_varlen_func", "sink_attn_func"]
-
-
-def _at_most(bound, count):
-    """``min(bound, count)`` of ints or SymInts, without a guard on symbolic ones (``torch.sym_min``);
-    plain ints take ``min``, since torch 2.11's Dynamo refuses ``torch.sym_min`` of two ints."""
-    if isinstance(bound, torch.SymInt) or isinstance(count, torch.SymInt):
-        return torch.sym_min(bound, count)
-    return min(bound, count)
 
 
 def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -59,13 +50,11 @@ def sink_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     validation.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     q, k, v, sinks, cu_seqlens_q, cu_seqlens_k = dtensor.placed(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
-    call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend)
-    # a bound past the token count bounds no more than it (and then fits the op's int64)
-    max_seqlen_q, max_seqlen_k = _at_most(max_seqlen_q, q.shape[0]), _at_most(max_seqlen_k, k.shape[0])
-    o, lse, *_ = ops.attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend, return_lse, max_seqlen_q, max_seqlen_k)
+    o, lse, *_ = ops.attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, call.max_seqlen_q, call.max_seqlen_k,
                                call.softmax_scale, call.window, call.backend, call.needs_grad)
     out = o if o.dtype == q.dtype else o.to(q.dtype)
-    return (out, lse) if validation.as_bool("return_lse", return_lse) else out
+    return (out, lse) if call.return_lse else out
 
 
 def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -78,9 +67,11 @@ def sink_attn_func(q, k, v, *, sinks=None, softmax_scale=None, causal=False, win
     validation.check_dense(q, k, v)
     validation.check_options(q, sinks, softmax_scale, causal, window_size, return_lse)
     q, k, v, sinks, _, _ = dtensor.placed(q, k, v, sinks, None, None)
-    call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend)
-    B, Sq, HQ = q.shape[:3]
-    o, lse, *_ = ops.attention(q, k, v, sinks, None, None, Sq, k.shape[1], call.softmax_scale, call.window,
-                               call.backend, call.needs_grad)
+    call = settle(q, k, v, sinks, softmax_scale, causal, window_size, backend, return_lse)
+    o, lse, *_ = ops.attention(q, k, v, sinks, None, None, call.max_seqlen_q, call.max_seqlen_k, call.softmax_scale,
+                               call.window, call.backend, call.needs_grad)
     out = o if o.dtype == q.dtype else o.to(q.dtype)
-    return (out, lse.view(HQ, B, Sq).transpose(0, 1)) if validation.as_bool("return_lse", return_lse) else out
+    if not call.return_lse:
+        return out
+    B, Sq, HQ = q.shape[:3]
+    return out, lse.view(HQ, B, Sq).transpose(0, 1)

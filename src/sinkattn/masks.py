@@ -60,9 +60,11 @@ class Window(NamedTuple):
         return cls(-1 if left >= BEYOND_ANY_LENGTH else left, -1 if right >= BEYOND_ANY_LENGTH else right)
 
     def folded(self, max_seqlen_q: int, max_seqlen_k: int) -> "Window":
+        if (self.left < 0 or self.left < max_seqlen_k - 1) and (self.right < 0 or self.right < max_seqlen_q - 1):
+            return self                      # nothing to fold: the common case, once per call
         left = -1 if self.left >= max(max_seqlen_k - 1, 0) else self.left
         right = -1 if self.right >= max(max_seqlen_q - 1, 0) else self.right
-        return self if (left, right) == self else Window(left, right)
+        return Window(left, right)
 
     @property
     def unbounded(self) -> bool:

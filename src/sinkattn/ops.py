@@ -2,7 +2,7 @@
 the only code that calls a backend.
 
     sinkattn::forward(q, k, v, sinks?, cu_seqlens_q?, cu_seqlens_k?, max_seqlen_q, max_seqlen_k,
-                      softmax_scale, left, right, backend, check_cu_seqlens, needs_grad)
+                      softmax_scale, left, right, backend, check_cu_seqlens, for_backward)
                       -> (o, lse, m, log_l)
     sinkattn::backward(do, dlse?, q, k, v, sinks?, o, m, log_l, cu_seqlens_q?, cu_seqlens_k?,
                        max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, partial)
@@ -42,6 +42,7 @@ import torch
 from . import autocast, autodiff, backends, sink, validation
 from .backends.buffers import contiguous
 from .backends.capabilities import Batch
+from .backends.protocol import Final, Partial
 from .masks import Window
 
 if torch.distributed.is_available():
@@ -101,17 +102,28 @@ _cpu_offsets = functools.lru_cache(maxsize=16)(functools.partial(_offsets, devic
 read them). Not on a GPU, where a tensor made during a CUDA graph capture belongs to that graph's memory."""
 
 
+def _joined(impl, caps, partial: Partial, sinks) -> Final:
+    """The sink joins a forward's results once (``sinkattn.sink``'s rule, or the backend's copy of it)."""
+    if sinks is not None and caps.joins_sink:
+        final = impl.join_sink(partial.o, partial.stats, sinks)
+        if final is not None:
+            return final
+    o, stats = sink.with_sink(partial.o, partial.stats, sinks, caps.base2)
+    return Final(o, stats, sink.lse_of(stats, caps.base2).float())
+
+
 def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
-             backend, check_cu_seqlens, needs_grad) -> Results:
+             backend, check_cu_seqlens, for_backward) -> Results:
     """The implementation of ``sinkattn::forward``."""
-    caps, impl = backends.describe(backend), backends.load(backend)
+    impl = backends.load(backend)
+    caps = impl.CAPABILITIES
     dense = cu_seqlens_q is None
     window = Window(left, right).folded(max_seqlen_q, max_seqlen_k)
     with autocast.disabled(q.device):
-        result = None
-        if dense and caps.dense and not needs_grad:
-            result = impl.forward(q, k, v, None, window, softmax_scale, False)
-        if result is None:
+        final = None
+        if dense and caps.dense and not for_backward:
+            final = impl.forward_dense(q, k, v, sinks, window, softmax_scale)
+        if final is None:
             if dense:
                 (qp, kp, vp), batch = _packed(q, k, v)
             else:
@@ -120,32 +132,23 @@ def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                                          max_seqlen_q, max_seqlen_k)
                 qp, kp, vp, cu_q, cu_k = contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k)
                 batch = Batch(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
-            result = impl.forward(qp, kp, vp, batch, window, softmax_scale, needs_grad)
-        o, stats = result
-        joined = impl.join_sink(o, stats, sinks) if sinks is not None and hasattr(impl, "join_sink") else None
-        o = o.view(q.shape[:-1] + o.shape[-1:])                       # dense: [B, Sq, HQ, D]
-        if joined is not None:
-            stats, lse = joined
-        else:
-            rows = stats.m.shape[:1] + q.shape[:-2]                   # [HQ, T] or [HQ, B, Sq]
-            o, stats = sink.with_sink(o, sink.Stats(stats.m.view(rows), stats.log_l.view(rows)), sinks, caps.base2)
-            lse = sink.lse_of(stats, caps.base2).float()
-    flat = stats.m.shape[:1] + (-1,)
-    return tuple(contiguous(o, lse.reshape(flat), stats.m.reshape(flat), stats.log_l.reshape(flat)))
+            final = _joined(impl, caps, impl.forward(qp, kp, vp, batch, window, softmax_scale, for_backward), sinks)
+    o = final.o if final.o.dim() == q.dim() else final.o.view(q.shape[:-1] + final.o.shape[-1:])   # [B, Sq, HQ, Dv]
+    return o.contiguous(), final.lse, final.stats.m, final.stats.log_l
 
 
 @torch.library.custom_op("sinkattn::forward", mutates_args=())
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
             cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
             max_seqlen_k: int, softmax_scale: float, left: int, right: int, backend: str,
-            check_cu_seqlens: bool, needs_grad: bool) -> Results:
+            check_cu_seqlens: bool, for_backward: bool) -> Results:
     return _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left,
-                    right, backend, check_cu_seqlens, needs_grad)
+                    right, backend, check_cu_seqlens, for_backward)
 
 
 @forward.register_fake
 def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,
-      backend, check_cu_seqlens, needs_grad):
+      backend, check_cu_seqlens, for_backward):
     out_dtype = backends.describe(backend).out_dtype
     HQ = q.shape[-2]
     T = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
@@ -232,10 +235,14 @@ class _Eager(torch.autograd.Function):
 
 
 def attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-              window: Window, backend: str, needs_grad: bool, check_cu_seqlens: bool = True):
-    """``(o, lse, m, log_l)`` of ``sinkattn::forward`` (see the module doc), with autograd when ``needs_grad``."""
+              window: Window, backend: str, needs_grad: bool, check_cu_seqlens: bool = True,
+              for_backward: bool | None = None):
+    """``(o, lse, m, log_l)`` of ``sinkattn::forward`` (see the module doc), recorded by autograd when
+    ``needs_grad``. ``for_backward`` (default: ``needs_grad``): the statistics will serve a backward, exact
+    (context parallelism's tiles ask for them without autograd)."""
+    for_backward = needs_grad if for_backward is None else for_backward
     args = (q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window.left,
-            window.right, backend, check_cu_seqlens, needs_grad)
+            window.right, backend, check_cu_seqlens, for_backward)
     if is_plain_eager(q, k, v, sinks, recorded=needs_grad):
         return _Eager.apply(*args) if needs_grad else _forward(*args)
     return forward(*args)

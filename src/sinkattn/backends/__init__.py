@@ -1,50 +1,27 @@
-"""Backend registry. Each backend module exposes ``CAPABILITIES``, ``forward`` and ``backward``, one protocol:
+"""Backend registry: each backend is a module of the protocol ``sinkattn.backends.protocol`` with its
+declared ``CAPABILITIES`` (``sinkattn.backends.capabilities``).
 
-    forward(q, k, v, batch, window, softmax_scale, needs_grad)
-        -> (o, Stats) or None
-    backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial)
-        -> (dq, dk, dv, delta)
-
-The forward computes the softmax over each row's visible keys only, **without** the sink:
-``o [Tq, HQ, D]`` in ``CAPABILITIES.out_dtype`` and ``Stats(m, log_l) [HQ, Tq]`` in its base
-(``sinkattn.sink``, where the sink joins once for every backend); a row that sees no key has ``o = 0``
-and ``log_l = -inf``, its ``m`` any value. ``batch`` is a ``Batch`` (packed:
-``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, contiguous), or None for a dense call without gradient
-handed over as it is (``q [B, Sq, HQ, D]``, any strides; only to a backend that declares ``dense``,
-which returns ``o [B, Sq, HQ, D]`` and ``Stats [HQ, B*Sq]``, or None to have it packed).
-``needs_grad``: the backward will follow (a backend may take a faster forward otherwise).
-A backend may also expose ``join_sink(o, stats, sinks) -> (Stats, lse) or None``: the sink's join
-(``sinkattn.sink.with_sink`` and ``lse_of``, the same formula) on its forward's own results, computed
-its own way (the cpu backend: one compiled call); None leaves the join to ``sinkattn.sink``.
-
-The backward gets the final results of the rows: ``o`` and ``stats`` with the sink and every key of
-the row included, ``sink_mass [HQ, Tq]`` (the sink's probability per row, ``sink.sink_mass``) or None
-without sinks, ``do`` in q's dtype, ``dlse [HQ, Tq]`` or None. It returns fp32 (float64 for
-``reference``) ``dq``, ``dk``, ``dv`` shaped like q, k, v, and the ``Delta [HQ, Tq] = <dO, o> - dlse``
-it used (the sink's gradient is formed from it once, in ``sinkattn.ops``). ``partial``: the call
-holds only some of its rows' keys (a context-parallel tile), so ``Delta`` must come from ``o``.
-
-``window`` is a folded ``sinkattn.masks.Window``. ``choose`` reads only the declarations, so it runs
-inside ``torch.compile``'s tracing without importing anything; the backends themselves run inside
-the custom ops (``sinkattn.ops``), the only code that calls them.
+``choose`` reads only the declarations, so it runs inside ``torch.compile``'s tracing without importing
+anything; the backends themselves run inside the custom ops (``sinkattn.ops``), the only code that calls
+them.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 
 from . import cpu, reference
 from .capabilities import Batch, Capabilities, Request
+from .protocol import Backend
 
 __all__ = ["NAMES", "load", "describe", "choose", "Request", "Capabilities", "Batch"]
 
 NAMES = ("cpu", "triton", "reference")
 _AUTO = {"cpu": "cpu", "cuda": "triton"}
-_LOADED: dict[str, ModuleType] = {"cpu": cpu, "reference": reference}
+_LOADED: dict[str, Backend] = {"cpu": cpu, "reference": reference}
 
 
-def load(name: str) -> ModuleType:
+def load(name: str) -> Backend:
     """The backend module ``name``; the Triton one is imported on first use."""
     if name not in _LOADED:
         try:

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-__all__ = ["new", "poisoned", "contiguous"]
+__all__ = ["new", "poisoned", "poisoning", "contiguous"]
 
 _poison = False
 
@@ -21,6 +21,11 @@ def new(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if _poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def poisoning() -> bool:
+    """Whether ``new`` poisons now (for code that allocates its results elsewhere, e.g. in C++)."""
+    return _poison
 
 
 @contextlib.contextmanager

@@ -42,7 +42,8 @@ class Capabilities:
     device_hint: str = ""      # what to do about a device it does not take
     out_dtype: torch.dtype = torch.float32      # dtype of the forward's ``o`` and statistics
     base2: bool = False        # statistics in base 2 (``sinkattn.sink``)
-    dense: bool = False        # its forward may take a dense no-grad call's tensors as they are
+    dense: bool = False        # forward_dense: a dense call without gradients whole (``protocol``)
+    joins_sink: bool = False   # join_sink: the sink's rule in its own code (``protocol``)
     value_dim: bool = True     # takes v with a head dim Dv other than q's and k's D
 
     def why_not(self, request: Request) -> str | None:

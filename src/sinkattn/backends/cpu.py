@@ -1,7 +1,8 @@
 """``backend="cpu"``: sink attention on CPU tensors, in fp32 for every input dtype.
 
-Every path computes the softmax over keys of the backend protocol (``sinkattn.backends``; the sink
-joins in ``sinkattn.sink``) in the tiles of ``cpu_tiles`` (its docstring gives the numerics):
+Every path computes the softmax over keys of the backend protocol (``sinkattn.backends.protocol``) in
+the tiles of ``cpu_tiles`` (its docstring gives the numerics); the sink joins by ``sinkattn.sink``'s
+rule, in the compiled kernel's copy of it where that is built (``join_sink``, ``forward_dense``):
 
 * the compiled kernel (``cpu_native``, built on first use where a C++ compiler is present) takes
   every call that needs gradients, every backward, and the forwards the fused kernel cannot take
@@ -9,7 +10,8 @@ joins in ``sinkattn.sink``) in the tiles of ``cpu_tiles`` (its docstring gives t
   fused between its matrix products;
 * PyTorch's fused flash-attention kernel (``cpu_fused``, the fastest CPU forward) takes a call
   without gradients; a dense batch that one unmasked fused-kernel call covers, as in decoding, is
-  handed over as it is, any strides;
+  handed over as it is, any strides, and its results taken when they are the formula's
+  (``forward_dense``);
 * the PyTorch-op paths take the rest: inputs holding NaN or inf (those reach exactly the rows that
   see their key, ``nonfinite``, which only these ensure), and every call where the kernel is not
   built (``SINKATTN_CPU_KERNEL=python``, no compiler). ``cpu_small`` takes the packed sequences of at
@@ -31,9 +33,10 @@ import torch
 from .. import masks, sink
 from . import buffers, cpu_fused, cpu_native, cpu_small, cpu_tiles, layout, nonfinite
 from .capabilities import Capabilities
+from .protocol import Final, Gradients, Partial
 from .scores import MAX_SCORE, check_fp32_range, loose_bound, norms, score_bound
 
-__all__ = ["CAPABILITIES", "forward", "backward", "join_sink", "split"]
+__all__ = ["CAPABILITIES", "forward", "forward_dense", "backward", "join_sink", "split"]
 
 CAPABILITIES = Capabilities(
     name="cpu",
@@ -41,6 +44,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     max_head_dim=512,
     dense=True,
+    joins_sink=True,
 )
 
 _NEG_INF = float("-inf")
@@ -84,35 +88,68 @@ def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> la
     return layout.split(cu_seqlens_q, cu_seqlens_k, lambda Lq, Lk: cpu_small.takes(Lq, Lk, HQ))
 
 
-def _dense(q, k, v, window, softmax_scale):
-    """An inference call on a dense batch as it is (any strides), when one unmasked fused-kernel call
-    covers it (decoding, full or square causal attention) and ``q``, ``k`` are finite with scores
-    well inside fp32 (``loose_bound``): ``(o [B, Sq, HQ, D], Stats [HQ, B*Sq])``, else None. NaN / inf
-    in ``v`` stay in the formula's terms: every row sees every key of the call, or (a causal
-    diagonal) the call is declined."""
+SMALL_ROWS = 4
+"""A dense inference call of at most this many queries per sequence (decoding) runs whole in the compiled
+kernel (``forward_small``): a fused-attention library call costs more than its arithmetic there."""
+
+
+@functools.lru_cache(maxsize=64)
+def _row_bounds(Lq: int, Lk: int, window) -> torch.Tensor:
+    """int64 ``[Lq, 2]``: the keys ``[lo, hi)`` each query row of a sequence sees (``sinkattn.masks``)."""
+    return torch.stack(masks.row_key_bounds(torch.arange(Lq), Lq, Lk, *window), 1)
+
+
+def _dense_ok(q, k, o, lse_keys, softmax_scale: float) -> bool:
+    """Whether the fused kernel's dense results are the formula's (``forward_dense``): scores well inside
+    fp32 (``score_bound``), and ``o`` and every row's ``lse`` over keys finite. The compiled ``join_dense``
+    decides the same in C++."""
+    return (score_bound(q, k, softmax_scale) <= MAX_SCORE and bool(torch.isfinite(lse_keys).all())
+            and bool(torch.isfinite(o).all()))
+
+
+def forward_dense(q, k, v, sinks, window, softmax_scale):
+    """A dense call without gradients whole, when one unmasked fused-kernel call covers it (decoding, full
+    or square causal attention): ``Final(o [B, Sq, HQ, Dv], stats, lse [HQ, B*Sq])`` on ``q [B, Sq, HQ, D]``,
+    ``k``/``v [B, Sk, HKV, D]`` as they are (any strides), else None.
+
+    The results are taken when they are the formula's (``_dense_ok``): every row of such a call sees a key,
+    so a non-finite ``lse`` or ``o`` means a NaN or inf input (or a score past fp32) reached it, and the call
+    goes the exact way instead (``forward``), whose paths confine such values to the terms that hold them;
+    so does a call whose scores may leave fp32 (refused there)."""
+    chosen = cpu_native.check_settings()
     B, Sq, HQ = q.shape[:3]
-    if v.shape[-1] != q.shape[-1]:                  # the fused kernel takes one head dim
+    if Sq <= SMALL_ROWS and B > 0:
+        native = cpu_native.load(chosen=chosen)
+        if native is not None:
+            q32, k32, v32 = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+            done = native.forward_small(q32, k32, v32, _row_bounds(Sq, k.shape[1], window), sinks, softmax_scale,
+                                        MAX_SCORE, buffers.poisoning())
+            return Final(done[0], sink.Stats(done[1], done[2]), done[3]) if done else None
+    if v.shape[-1] != q.shape[-1] or B == 0 or softmax_scale <= 0:        # the fused kernel takes one head dim
         return None
-    part = cpu_fused.single_part(Sq, k.shape[1], *window) if B > 0 and softmax_scale > 0 else None
+    part = cpu_fused.single_part(Sq, k.shape[1], *window)
     if part is None:
         return None
-    q32, k32, v32 = q.float(), k.float(), v.float()
-    if not loose_bound(q32, k32, softmax_scale) <= MAX_SCORE:      # q or k not finite, or scores may not fit fp32
+    q32, k32, v32 = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+    o, lse_keys = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
+                                                part, softmax_scale)                # [B, HQ, Sq, D], [B, HQ, Sq]
+    o = o.transpose(1, 2)                                                             # [B, Sq, HQ, D]
+    native = cpu_native.load(chosen=chosen)
+    if native is not None:
+        joined = native.join_dense(o, lse_keys, q32, k32, sinks, softmax_scale, MAX_SCORE, buffers.poisoning())
+        return Final(o, sink.Stats(joined[0], joined[1]), joined[2]) if joined else None
+    if not _dense_ok(q32, k32, o, lse_keys, softmax_scale):
         return None
-    if part.causal and nonfinite.present(v32):     # its diagonal tiles would carry them to rows that do not see them
-        return None
-    o, lse = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
-                                           part, softmax_scale)                  # [B, HQ, Sq, D], [B, HQ, Sq]
-    return o.transpose(1, 2), sink.stats_of_lse(lse.transpose(0, 1).reshape(HQ, B * Sq))
+    stats = sink.stats_of_lse(lse_keys.transpose(0, 1).reshape(HQ, B * Sq))
+    o, stats = sink.with_sink(o.reshape(B * Sq, HQ, -1) if o.is_contiguous() else o.contiguous().view(B * Sq, HQ, -1),
+                              stats, sinks)
+    return Final(o, stats, sink.lse_of(stats))
 
 
-def forward(q, k, v, batch, window, softmax_scale, needs_grad):
-    """``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``, ``v [Tk, HKV, Dv]`` -> ``(o [Tq, HQ, Dv] fp32, Stats [HQ, Tq] fp32)``
-    over keys;
-    or a dense no-grad call as it is (``batch`` None, see ``_dense``)."""
+def forward(q, k, v, batch, window, softmax_scale, for_backward):
+    """``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``, ``v [Tk, HKV, Dv]`` -> ``Partial(o [Tq, HQ, Dv] fp32, Stats [HQ, Tq]
+    fp32)`` over keys."""
     cpu_native.check_settings()
-    if batch is None:
-        return _dense(q, k, v, window, softmax_scale)
     q32, k32, v32 = q.float(), k.float(), v.float()
     Tq, HQ, D = q.shape
     norm_q, norm_k, norm_v = norms(q32, k32, v32)          # what nonfinite.present reads, for all three at once
@@ -129,13 +166,13 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     log_l = buffers.new((HQ, Tq), torch.float32, q.device)
     # the fused kernel masks before it scales, and takes one head dim (Dv = D)
     native = None if literal else cpu_native.load()
-    if native is not None and (needs_grad or softmax_scale <= 0 or v.shape[2] != D):
+    if native is not None and (for_backward or softmax_scale <= 0 or v.shape[2] != D):
         native.forward(q32.contiguous(), k32.contiguous(), v32.contiguous(), *_sequences(batch, window),
                        *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, cpu_native.bf16_products(q, k, v), out, m,
                        log_l)
-        return out, sink.Stats(m, log_l)
+        return Partial(out, sink.Stats(m, log_l))
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
-    if not needs_grad and not literal and softmax_scale > 0 and v.shape[2] == D:
+    if not for_backward and not literal and softmax_scale > 0 and v.shape[2] == D:
         cpu_fused.forward(q32, k32, v32, parts.runs, out, m, softmax_scale, window)
         for run in parts.runs:
             rows = slice(run.tq, run.tq + run.n * run.Lq)
@@ -143,20 +180,20 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     else:
         cpu_tiles.forward(q32, k32, v32, parts.runs, out, m, log_l, softmax_scale, window, literal)
     cpu_small.forward(q32, k32, v32, parts.small, out, m, log_l, softmax_scale, window, literal)
-    return out, sink.Stats(m, log_l)
+    return Partial(out, sink.Stats(m, log_l))
 
 
 def join_sink(o, stats, sinks):
-    """``sinkattn.sink.with_sink`` and ``lse_of`` in one compiled call, on the forward's own results
-    (``o [T, HQ, Dv]`` fp32 contiguous, scaled in place; ``stats [HQ, T]``): ``(Stats, lse)`` final, or None
-    where the kernel is not built or ``o`` is not laid out so (a dense call's fused forward)."""
+    """The sink's rule (``sinkattn.sink.with_sink`` and ``lse_of``) in one compiled call on ``forward``'s own
+    results (``o [T, HQ, Dv]`` fp32 contiguous, scaled in place; ``stats [HQ, T]``): ``Final``, or None where
+    the kernel is not built."""
     native = cpu_native.load()
-    if native is None or o.dim() != 3 or o.dtype != torch.float32 or not o.is_contiguous():
+    if native is None:
         return None
     m, log_l = stats.m.contiguous(), stats.log_l.contiguous()
     lse = buffers.new(m.shape, torch.float32, o.device)
     native.join_sink(o, m, log_l, sinks.float().contiguous(), lse)
-    return sink.Stats(m, log_l), lse
+    return Final(o, sink.Stats(m, log_l), lse)
 
 
 def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
@@ -183,7 +220,7 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
                         *_sequences(batch, window), *_scales(softmax_scale), softmax_scale, not partial,
                         NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do),
                         BACKWARD_SPLIT, dq, dk, dv)
-        return dq, dk, dv, delta
+        return Gradients(dq, dk, dv, delta)
     delta = sink.row_delta(do32, o, dlse)
     inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, q.shape[1])
@@ -194,4 +231,4 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
         unseen = layout.token_ranges(parts.keys_only.tk, parts.keys_only.Lk)
         dk.index_fill_(0, unseen, 0.0)
         dv.index_fill_(0, unseen, 0.0)
-    return dq, dk, dv, delta
+    return Gradients(dq, dk, dv, delta)

@@ -15,6 +15,8 @@ outside the limits are never computed.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +148,7 @@ def single_call(split, window, all_keys: bool = False) -> tuple[Run, Part] | Non
     return run, part
 
 
+@functools.lru_cache(maxsize=64)
 def single_part(Lq: int, Lk: int, left: int, right: int) -> Part | None:
     """The one unmasked part that covers every row of a sequence, or None when the plan needs more."""
     parts = plan(Lq, Lk, left, right)

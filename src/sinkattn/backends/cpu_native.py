@@ -86,11 +86,11 @@ def products() -> str:
     return value
 
 
-def check_settings() -> None:
+def check_settings() -> str:
     """Refuse a wrong ``SINKATTN_CPU_KERNEL`` or ``SINKATTN_CPU_PRODUCTS`` (``ValueError``), whichever path
-    a call takes: a typo is never silently ignored."""
-    mode()
+    a call takes: a typo is never silently ignored. Returns the mode (for ``load``)."""
     products()
+    return mode()
 
 
 def _matrix_units() -> bool:
@@ -223,14 +223,17 @@ def _open(chosen: str):
     return torch.ops.sinkattn_cpu
 
 
-def load(quiet: bool = False):
+def load(quiet: bool = False, chosen: str | None = None):
     """``torch.ops.sinkattn_cpu``, built first if needed; None where the mode is ``python`` or (``auto``) the
     kernel cannot be built. Raises ``RuntimeError`` in mode ``compiled`` when it cannot. What it has to say
     (a damaged library built again, the PyTorch-op tiles taken instead) is a ``RuntimeWarning``, once, on the
-    first call that is not ``quiet``."""
-    chosen = mode()
+    first call that is not ``quiet``. ``chosen``: the mode, when the caller has just read it (``check_settings``)."""
+    chosen = mode() if chosen is None else chosen
     if chosen == "python":
         return None
+    ops = _state.get("ops")
+    if ops is not None and "warnings" not in _state:      # loaded, nothing left to say: every call after the first
+        return ops
     with _lock:
         if "ops" not in _state and "error" not in _state:
             try:

@@ -11,6 +11,7 @@ import torch
 
 from .. import reference, sink
 from .capabilities import Capabilities
+from .protocol import Gradients, Partial
 
 __all__ = ["CAPABILITIES", "forward", "backward"]
 
@@ -22,18 +23,16 @@ CAPABILITIES = Capabilities(
     out_dtype=torch.float64,
 )
 
-_NEG_INF = float("-inf")
 
-
-def forward(q, k, v, batch, window, softmax_scale, needs_grad):
-    """``(o [Tq, HQ, D] float64, Stats [HQ, Tq] float64)`` over keys."""
+def forward(q, k, v, batch, window, softmax_scale, for_backward):
+    """``Partial(o [Tq, HQ, D] float64, Stats [HQ, Tq] float64)`` over keys."""
     o, lse = reference.forward(q, k, v, None, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale, *window)
-    return o, sink.Stats(lse, torch.where(lse == _NEG_INF, _NEG_INF, 0.0))
+    return Partial(o, sink.stats_of_lse(lse))
 
 
 def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
     """``(dq, dk, dv)`` float64 and ``delta [HQ, Tq]`` float64."""
     delta = sink.row_delta(do.double(), o.double(), dlse).double()
     lse = stats.m.double() + stats.log_l.double()
-    return (*reference.gradients(do, delta, lse, q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale,
-                                 *window), delta)
+    return Gradients(*reference.gradients(do, delta, lse, q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k,
+                                          softmax_scale, *window), delta)

@@ -117,6 +117,21 @@ float dot(const float* x, const float* y, int64_t n) {
   return acc.sum();
 }
 
+// whether every x[j] of [0, n) is finite: x - x is 0 for those, NaN for inf and NaN
+bool all_finite(const float* x, int64_t n) {
+  Acc4 acc(0.0f);
+  int64_t j = 0;
+  for (int64_t u = 0; j + Vec::size() <= n; j += Vec::size(), u = (u + 1) & 3) {
+    const Vec e = Vec::loadu(x + j);
+    acc.a[u] = acc.a[u] + (e - e);
+  }
+  if (j < n) {
+    const Vec e = Vec::loadu(x + j, n - j);
+    acc.a[0] = acc.a[0] + Vec::set(Vec(0.0f), e - e, n - j);
+  }
+  return acc.sum() == 0.0f;
+}
+
 template <typename T = float>
 struct Aligned {
   std::vector<T> data;
@@ -811,8 +826,28 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   });
 }
 
-// The sink joins the rows' softmax over keys (sinkattn/sink.py's with_sink and lse_of, natural units):
-// o [T, HQ, Dv] scaled in place, m / log_l [HQ, T] replaced by the final statistics, lse [HQ, T] written.
+// The sink's rule (sinkattn/sink.py's with_sink and lse_of, natural units; tests/test_sink.py holds the two
+// together): one row's softmax over keys, (m, log_l) with log_l = -inf for a row that sees no key (its m then
+// takes no part), joined by the sink as one more key of logit `sink` -> the weight of the row's o and the final
+// statistics (c, log z), lse = c + log z.
+struct Joined {
+  float w, c, log_z;
+};
+
+inline float finite_or_floor(float x) { return std::isfinite(x) ? x : kNegInf; }
+
+inline Joined join_row(float m, float log_l, float sink) {
+  const float top = log_l == kNegInf ? kNegInf : finite_or_floor(m);
+  float c = std::max(top, finite_or_floor(sink));
+  if (c == kNegInf) c = 0.0f;
+  const float mass_keys = std::exp((m - c) + log_l);
+  const float z = mass_keys + std::exp(sink - c);
+  const float w = log_l == kNegInf ? 0.0f : mass_keys / (z == 0.0f ? 1.0f : z);   // a row without keys adds nothing
+  return {w, c, std::log(z)};
+}
+
+// The join over a packed call's rows: o [T, HQ, Dv] scaled in place, m / log_l [HQ, T] replaced by the final
+// statistics, lse [HQ, T] written.
 void join_sink_op(at::Tensor o, at::Tensor m, at::Tensor log_l, const at::Tensor& sinks, at::Tensor lse) {
   TORCH_CHECK(o.dim() == 3, "sinkattn_cpu: o must be [T, HQ, Dv]");
   const int64_t T = o.size(0), HQ = o.size(1), Dv = o.size(2);
@@ -821,26 +856,193 @@ void join_sink_op(at::Tensor o, at::Tensor m, at::Tensor log_l, const at::Tensor
   for (const at::Tensor* t : {&m, &log_l, &lse}) expect(*t, "a per-row tensor", at::kFloat, {HQ, T});
   float *O = o.data_ptr<float>(), *M = m.data_ptr<float>(), *LL = log_l.data_ptr<float>(), *LSE = lse.data_ptr<float>();
   const float* SK = sinks.data_ptr<float>();
-  auto finite_or_floor = [](float x) { return std::isfinite(x) ? x : kNegInf; };
   parallel_tasks(HQ, [&](int64_t first, int64_t end, int64_t step) {
     for (int64_t h = first; h < end; h += step) {
-      const float sink = SK[h];
       for (int64_t t = 0; t < T; ++t) {
         const int64_t at = h * T + t;
-        const float top = LL[at] == kNegInf ? kNegInf : finite_or_floor(M[at]);   // a keyless row's m never counts
-        float c = std::max(top, finite_or_floor(sink));   // sink.py's _shift
-        if (c == kNegInf) c = 0.0f;
-        const float mass_keys = std::exp((M[at] - c) + LL[at]);
-        const float z = mass_keys + std::exp(sink - c);
-        const float w = LL[at] == kNegInf ? 0.0f : mass_keys / z;   // a row without keys adds nothing
+        const Joined j = join_row(M[at], LL[at], SK[h]);
         float* row = O + (t * HQ + h) * Dv;
-        for (int64_t d = 0; d < Dv; ++d) row[d] *= w;
-        M[at] = c;
-        LL[at] = std::log(z);
-        LSE[at] = c + LL[at];
+        for (int64_t d = 0; d < Dv; ++d) row[d] *= j.w;
+        M[at] = j.c;
+        LL[at] = j.log_z;
+        LSE[at] = j.c + j.log_z;
       }
     }
   });
+}
+
+// The largest Euclidean norm of the rows x[b, s, h, :] of a [B, S, H, D] tensor of any strides whose rows are
+// contiguous (0 for none; NaN or inf where a row holds one, or its squares overflow).
+float max_row_norm(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4 && (x.size(3) <= 1 || x.stride(3) == 1), "sinkattn_cpu: x must be [B, S, H, D], rows contiguous");
+  const int64_t D = x.size(3);
+  const float* X = x.data_ptr<float>();
+  float best = 0.0f;
+  for (int64_t b = 0; b < x.size(0); ++b)
+    for (int64_t s = 0; s < x.size(1); ++s)
+      for (int64_t h = 0; h < x.size(2); ++h) {
+        const float* row = X + b * x.stride(0) + s * x.stride(1) + h * x.stride(2);
+        const float norm = std::sqrt(dot(row, row, D));
+        if (!(norm <= best)) best = norm;        // NaN is kept
+        if (std::isnan(best)) return best;
+      }
+  return best;
+}
+
+// A dense inference call's results from one unmasked fused-attention call over keys (o, lse_keys), taken when
+// they are the formula's: every score bound |scale| max|q_i| max|k_j| <= max_bound (cpu backend: scores stay
+// well inside fp32), every row's lse over keys finite (every row of such a call sees a key) and o finite
+// (a NaN or inf input reaches one of them). Then the sink joins, o [B, Sq, HQ, Dv] (any strides, rows
+// contiguous) is scaled in place, and [m, log_l, lse] ([HQ, B * Sq] each, NaN-filled first when `poison`) are
+// returned. Otherwise nothing is written and nothing returned: the caller takes its exact path.
+// lse_keys [B, HQ, Sq], any strides; sinks [HQ] or none.
+std::vector<at::Tensor> join_dense_op(at::Tensor o, const at::Tensor& lse_keys, const at::Tensor& q,
+                                      const at::Tensor& k, const c10::optional<at::Tensor>& sinks_opt,
+                                      double softmax_scale, double max_bound, bool poison) {
+  TORCH_CHECK(o.dim() == 4 && lse_keys.dim() == 3 && o.scalar_type() == at::kFloat &&
+              lse_keys.scalar_type() == at::kFloat && q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat,
+              "sinkattn_cpu: join_dense takes fp32 o [B, Sq, HQ, Dv] and lse_keys [B, HQ, Sq]");
+  const int64_t B = o.size(0), Sq = o.size(1), HQ = o.size(2), Dv = o.size(3), T = B * Sq;
+  TORCH_CHECK(lse_keys.size(0) == B && lse_keys.size(1) == HQ && lse_keys.size(2) == Sq && (Dv <= 1 || o.stride(3) == 1),
+              "sinkattn_cpu: join_dense's o and lse_keys disagree, or o's rows are not contiguous");
+  const bool has_sinks = sinks_opt.has_value();
+  at::Tensor sinks;
+  if (has_sinks) {
+    sinks = sinks_opt->to(at::kFloat).contiguous();
+    expect(sinks, "sinks", at::kFloat, {HQ});
+  }
+  const double bound = std::abs(softmax_scale) * (double)max_row_norm(q) * (double)max_row_norm(k);
+  if (!(bound <= max_bound)) return {};
+  float* O = o.data_ptr<float>();
+  const float* LK = lse_keys.data_ptr<float>();
+  const int64_t ob = o.stride(0), os = o.stride(1), oh = o.stride(2);
+  const int64_t lb = lse_keys.stride(0), lh = lse_keys.stride(1), ls = lse_keys.stride(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < Sq; ++s)
+      for (int64_t h = 0; h < HQ; ++h) {
+        const float* row = O + b * ob + s * os + h * oh;
+        if (!std::isfinite(LK[b * lb + h * lh + s * ls]) || !all_finite(row, Dv)) return {};
+      }
+  const auto options = o.options().dtype(at::kFloat);
+  std::vector<at::Tensor> out;
+  for (int i = 0; i < 3; ++i)
+    out.push_back(poison ? at::full({HQ, T}, std::numeric_limits<float>::quiet_NaN(), options)
+                         : at::empty({HQ, T}, options));
+  float *M = out[0].data_ptr<float>(), *LL = out[1].data_ptr<float>(), *LSE = out[2].data_ptr<float>();
+  const float* SK = has_sinks ? sinks.data_ptr<float>() : nullptr;
+  for (int64_t h = 0; h < HQ; ++h)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = 0; s < Sq; ++s) {
+        const int64_t at = h * T + b * Sq + s;
+        const float keys = LK[b * lb + h * lh + s * ls];
+        if (!has_sinks) {
+          M[at] = LSE[at] = keys;
+          LL[at] = 0.0f;
+          continue;
+        }
+        const Joined j = join_row(keys, 0.0f, SK[h]);
+        float* row = O + b * ob + s * os + h * oh;
+        for (int64_t d = 0; d < Dv; ++d) row[d] *= j.w;
+        M[at] = j.c;
+        LL[at] = j.log_z;
+        LSE[at] = j.c + j.log_z;
+      }
+  return out;
+}
+
+// A dense call without gradients computed whole, for calls whose few query rows make a fused-attention library
+// call cost more than its arithmetic (decoding): q [B, Sq, HQ, D], k [B, Sk, HKV, D], v [B, Sk, HKV, Dv], fp32,
+// rows contiguous, any other strides; bounds [Sq, 2] int64, the keys [lo, hi) row i sees (sinkattn.masks, the
+// same for every batch item); sinks [HQ] or none. Per batch item and KV head, each of its G query heads' rows:
+// scores s_j = <q, k_j> scale (products, then the scale, as eager attention rounds them) over its visible keys,
+// the softmax over keys as the tiles compute it (exp_shifted), o = sum_j p_j v_j / l, and the sink's rule
+// (join_row). Returns [o [B, Sq, HQ, Dv], m, log_l, lse [HQ, B * Sq]] (NaN-filled first when `poison`), or
+// nothing when the results would not be the formula's as computed here: a score bound |scale| max|q_i|
+// max|k_j| above max_bound (a NaN or inf in q or k included), or a NaN or inf in v; the caller then takes
+// its exact path.
+std::vector<at::Tensor> forward_small_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& bounds_t, const c10::optional<at::Tensor>& sinks_opt,
+                                         double softmax_scale, double max_bound, bool poison) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "sinkattn_cpu: forward_small takes fp32 q [B, Sq, HQ, D], k [B, Sk, HKV, D], v [B, Sk, HKV, Dv]");
+  const int64_t B = q.size(0), Sq = q.size(1), HQ = q.size(2), D = q.size(3), Sk = k.size(1), HKV = k.size(2),
+                Dv = v.size(3), T = B * Sq;
+  TORCH_CHECK(HKV > 0 && HQ % HKV == 0 && k.size(0) == B && v.size(0) == B && v.size(1) == Sk &&
+              v.size(2) == HKV && k.size(3) == D && (D <= 1 || (q.stride(3) == 1 && k.stride(3) == 1)) &&
+              (Dv <= 1 || v.stride(3) == 1), "sinkattn_cpu: forward_small's q, k, v disagree, or rows not contiguous");
+  expect(bounds_t, "bounds", at::kLong, {Sq, 2});
+  const int64_t G = HQ / HKV;
+  at::Tensor sinks;
+  if (sinks_opt.has_value()) {
+    sinks = sinks_opt->to(at::kFloat).contiguous();
+    expect(sinks, "sinks", at::kFloat, {HQ});
+  }
+  const double bound = std::abs(softmax_scale) * (double)max_row_norm(q) * (double)max_row_norm(k);
+  if (!(bound <= max_bound)) return {};
+  const float* V = v.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < Sk; ++j)
+      for (int64_t h = 0; h < HKV; ++h)
+        if (!all_finite(V + b * v.stride(0) + j * v.stride(1) + h * v.stride(2), Dv)) return {};
+
+  const auto options = q.options();
+  auto make = [&](at::IntArrayRef sizes) {
+    return poison ? at::full(sizes, std::numeric_limits<float>::quiet_NaN(), options) : at::empty(sizes, options);
+  };
+  std::vector<at::Tensor> out{make({B, Sq, HQ, Dv}), make({HQ, T}), make({HQ, T}), make({HQ, T})};
+  float *O = out[0].data_ptr<float>(), *M = out[1].data_ptr<float>(), *LL = out[2].data_ptr<float>(),
+        *LSE = out[3].data_ptr<float>();
+  const float *Q = q.data_ptr<float>(), *K = k.data_ptr<float>();
+  const float* SK = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
+  const int64_t* bounds = bounds_t.data_ptr<int64_t>();
+  const float at_floor = exp_floor_value(), scale = (float)softmax_scale;
+  const int64_t qb = q.stride(0), qs = q.stride(1), qh = q.stride(2), kb = k.stride(0), ks = k.stride(1),
+                kh = k.stride(2), vb = v.stride(0), vs = v.stride(1), vh = v.stride(2);
+  auto task = [&](int64_t first, int64_t end, int64_t step) {
+    std::vector<float> qt(G * D), st(std::max<int64_t>(G * Sk, 1)), scores(std::max<int64_t>(G * Sk, 1));
+    for (int64_t t = first; t < end; t += step) {
+      const int64_t b = t / HKV, h = t % HKV;
+      for (int64_t i = 0; i < Sq; ++i) {       // the G rows of position i share its keys [lo, hi)
+        const int64_t lo = bounds[2 * i], n = std::max<int64_t>(bounds[2 * i + 1] - lo, 0);
+        const float* Qi = Q + b * qb + i * qs + h * G * qh;                      // [G, D], rows qh apart
+        float* Oi = O + ((b * Sq + i) * HQ + h * G) * Dv;                        // [G, Dv]
+        float* S = scores.data();                                                // [G, n]
+        if (n > 0) {   // S^T = K Q^T (row-major products: K's rows are the operand at hand), S = S^T^T scale
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t d = 0; d < D; ++d) qt[d * G + g] = Qi[g * qh + d];
+          mm<float>(n, G, D, K + b * kb + lo * ks + h * kh, ks, qt.data(), G, st.data(), G, false);
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t g = 0; g < G; ++g) S[g * n + j] = st[j * G + g] * scale;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = S + g * n;
+          const float c = n > 0 ? row_max(sg, n) : 0.0f;
+          const float l = n > 0 ? exp_shifted(sg, n, c, 1.0f, at_floor) : 0.0f;
+          const int64_t hq = h * G + g, at = hq * T + b * Sq + i;
+          const Joined joined = SK ? join_row(c, std::log(l), SK[hq]) : Joined{1.0f, c, std::log(l)};
+          M[at] = joined.c;
+          LL[at] = joined.log_z;
+          LSE[at] = joined.c + joined.log_z;
+          // o = P V / l, then the sink's weight: P scaled first, so that one product gives the result
+          const float w = n > 0 ? joined.w / std::max(l, 1.0f) : 0.0f;
+          for (int64_t j = 0; j < n; ++j) sg[j] *= w;
+        }
+        if (n > 0)
+          mm<float>(G, Dv, n, S, n, V + b * vb + lo * vs + h * vh, vs, Oi, Dv, false);
+        else
+          std::fill(Oi, Oi + G * Dv, 0.0f);
+      }
+    }
+    at::native::cpublas::brgemm_release(false);
+  };
+  if (B * HQ * Sq * Sk * (D + Dv) >= (int64_t)1 << 20) {     // worth more threads than one
+    parallel_tasks(B * HKV, task);
+  } else {
+    OneThreadProducts one;
+    task(0, B * HKV, 1);
+  }
+  return out;
 }
 
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
@@ -867,6 +1069,10 @@ TORCH_LIBRARY(sinkattn_cpu, lib) {
   lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, int BM, int BN, bool bf16_products, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
   lib.def("join_sink(Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l, Tensor sinks, Tensor(d!) lse) -> ()");
+  lib.def("join_dense(Tensor(a!) o, Tensor lse_keys, Tensor q, Tensor k, Tensor? sinks, float softmax_scale, "
+          "float max_bound, bool poison) -> Tensor[]");
+  lib.def("forward_small(Tensor q, Tensor k, Tensor v, Tensor bounds, Tensor? sinks, float softmax_scale, "
+          "float max_bound, bool poison) -> Tensor[]");
   lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor log_l, Tensor(a!) delta, "
           "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
           "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
@@ -877,4 +1083,6 @@ TORCH_LIBRARY_IMPL(sinkattn_cpu, CPU, lib) {
   lib.impl("forward", &forward_op);
   lib.impl("backward", &backward_op);
   lib.impl("join_sink", &join_sink_op);
+  lib.impl("join_dense", &join_dense_op);
+  lib.impl("forward_small", &forward_small_op);
 }

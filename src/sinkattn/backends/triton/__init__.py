@@ -34,6 +34,7 @@ import torch
 from ... import sink
 from .. import buffers
 from ..capabilities import Capabilities
+from ..protocol import Gradients, Partial
 from ..scores import large_scores_flag
 from . import config, launch
 
@@ -115,7 +116,7 @@ def _max_lens(q: torch.Tensor, k: torch.Tensor, batch) -> tuple[int, int]:
     return max(min(int(batch.max_seqlen_q), q.shape[0]), 1), max(min(int(batch.max_seqlen_k), k.shape[0]), 1)
 
 
-def forward(q, k, v, batch, window, softmax_scale, needs_grad):
+def forward(q, k, v, batch, window, softmax_scale, for_backward):
     """``q [Tq, HQ, D]``, ``k [Tk, HKV, D]``, ``v [Tk, HKV, Dv]`` -> ``(o [Tq, HQ, Dv] fp32,
     Stats(m2, log2_l) [HQ, Tq])``, the softmax over keys with its statistics in base 2 (the kernels' row
     maximum of ``s * log2(e)``)."""
@@ -126,7 +127,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
     Tq, HQ, BLOCK_D = q.shape
     N = cu_seqlens_q.numel() - 1
     chip = config.chip_for(q.device)
-    if needs_grad:              # a backward the GPU has no tile for is refused before the forward runs
+    if for_backward:            # a backward the GPU has no tile for is refused before the forward runs
         for kernel in ("dq", "dkdv"):
             config.blocks_for(chip, kernel, BLOCK_D, q.dtype)
     out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
@@ -139,7 +140,7 @@ def forward(q, k, v, batch, window, softmax_scale, needs_grad):
                        softmax_scale, *window, max_q, chip, _compensated(q.dtype),
                        _upcast(q.dtype))()
     log2_l = torch.where(m2 == float("inf"), float("inf"), log2_l)    # a +inf score: lse = +inf (l is NaN)
-    return _unpadded(out, Dv), sink.Stats(m2, log2_l)
+    return Partial(_unpadded(out, Dv), sink.Stats(m2, log2_l))
 
 
 def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
@@ -174,4 +175,4 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     if N > 0 and Tk > 0:
         launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_k, chip,
                     compensated, upcast)()
-    return _unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, Dv), delta
+    return Gradients(_unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, Dv), delta)
