@@ -1,5 +1,6 @@
 """sinkattn.distributed against single-process sinkattn on the full tensors, on 2 and 4 gloo
-processes (one spawned group per world size runs every case; see sinkattn.testing.cp)."""
+processes (one spawned group per world size runs every case; see sinkattn.testing.cp), and against
+the float64 golden at P = 2 and 3 (one group of 3 processes runs the whole precision matrix)."""
 
 import os
 import subprocess

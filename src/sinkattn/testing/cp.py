@@ -5,6 +5,10 @@ of ``CASES`` (plus the error cases) through ``sinkattn.distributed``, saving thi
 to ``folder/rank{r}.pt``; the test process compares them with single-process ``sinkattn`` on
 the full tensors, which it computes itself. One group per world size keeps the spawn cost
 (seconds) out of every case.
+
+``spawn_precision(folder)`` runs the precision matrix (``PRECISION`` x ``PRECISION_SEEDS``) at P = 2
+and 3 in one group of 3 processes (P = 2 on a subgroup), started from a fork server, and returns the
+results put together from the ranks' shards for the test process to hold to Gate A.
 """
 
 from __future__ import annotations
@@ -196,7 +200,7 @@ def spawn_precision(folder: str, timeout: float = 300.0) -> dict:
     put together from the ranks' shards (``lse [HQ, T]``) and ``dsinks`` summed over the ranks in rank order."""
     from ..distributed.layout import rank_order
     world = max(PRECISION_SIZES)
-    join_ranks(mp.spawn(_precision_worker, args=(world, folder), nprocs=world, join=False), world, timeout)
+    join_ranks(_start(_precision_worker, (world, folder), world), world, timeout)
     ranks = [torch.load(os.path.join(folder, f"precision{r}.pt"), weights_only=False) for r in range(world)]
     failure = next((f"rank {r}:\n{res['failure']}" for r, res in enumerate(ranks) if res["failure"]), None)
     cases = {}
@@ -211,6 +215,16 @@ def spawn_precision(folder: str, timeout: float = 300.0) -> dict:
                 full["dsinks"] = functools.reduce(torch.add, [p["dsinks"] for p in parts])
                 cases[P, case.name, seed] = full
     return {"failure": failure, "cases": cases}
+
+
+def _start(fn, args: tuple, nprocs: int):
+    """``fn(rank, *args)`` in ``nprocs`` new processes (``join=False``): forked from a fork server that has
+    imported torch and sinkattn once (a spawned process imports them itself, seconds each on two shared
+    cores), or spawned where there is no fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    mp.get_context("forkserver").set_forkserver_preload(["sinkattn.testing.cp", "sinkattn.distributed"])
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
 
 
 def _offsets(lengths) -> torch.Tensor:
