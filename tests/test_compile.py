@@ -58,6 +58,28 @@ def test_opcheck_forward_and_backward(backend, lens, dtype):
                           (do, dlse, *detached, out, m, log_l, cu, cu, longest, longest, 0.25, -1, 0, backend, False))
 
 
+@pytest.mark.parametrize("lens", [[5, 0, 9], "dense"], ids=["packed", "dense"])
+def test_opcheck_backward_with_fp32_gradients(lens):
+    """``fp32_grads`` (a caller that sums partial gradients, with ``partial`` as a context-parallel ring tile
+    calls it, or alone): dq, dk, dv of bf16 inputs in fp32, as the fake implementation says; rounded to bf16
+    they are bitwise the gradients of a call without it."""
+    dense = lens == "dense"
+    q, k, v, sinks, cu, longest = _op_args([8, 8] if dense else lens, "cpu", torch.bfloat16)
+    if dense:
+        q, k, v = (x.view(2, 8, *x.shape[1:]) for x in (q, k, v))
+        cu = None
+    out, lse, m, log_l = ops.forward(q, k, v, sinks, cu, cu, longest, longest, 0.25, -1, 0, "cpu", not dense, True)
+    do, dlse = torch.randn(out.shape).to(torch.bfloat16), torch.randn(lse.shape)
+    args = (do, dlse, q, k, v, sinks, out, m, log_l, cu, cu, longest, longest, 0.25, -1, 0, "cpu")
+    for partial in (False, True):
+        torch.library.opcheck(torch.ops.sinkattn.backward.default, (*args, partial, True))
+        rounded = ops.backward(*args, partial)
+        fp32 = ops.backward(*args, partial, True)
+        assert [g.dtype for g in fp32[:3]] == [torch.float32] * 3
+        assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(fp32[:3], rounded[:3]))
+        assert torch.equal(fp32[3], rounded[3])
+
+
 NUMPY_BOOL = """
 import numpy as np, torch, sinkattn
 q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)

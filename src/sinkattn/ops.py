@@ -5,7 +5,8 @@ the only code that calls a backend.
                       softmax_scale, left, right, backend, check_cu_seqlens, for_backward)
                       -> (o, lse, m, log_l)
     sinkattn::backward(do, dlse?, q, k, v, sinks?, o, m, log_l, cu_seqlens_q?, cu_seqlens_k?,
-                       max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, partial)
+                       max_seqlen_q, max_seqlen_k, softmax_scale, left, right, backend, partial,
+                       fp32_grads=False)
                        -> (dq, dk, dv, dsinks)
 
 A call is packed (``q [Tq, HQ, D]`` with ``cu_seqlens_*``) or dense (``q [B, Sq, HQ, D]``,
@@ -15,7 +16,11 @@ The forward runs the backend's softmax over keys and joins the sink once (``sink
 final statistics ``Stats(m, log_l)`` ``[HQ, T]`` with ``lse`` fp32 ``[HQ, T]`` (``T = B * Sq`` for a
 dense call). Without sinks the results are the softmax over the call's keys alone, which is what
 context parallelism merges tile by tile. The backward forms ``dsinks`` (empty without sinks) from
-the ``Delta`` the backend used; ``partial`` says the call holds only some keys of its rows.
+the ``Delta`` the backend used; ``partial`` says the call holds only some keys of its rows (``Delta``
+from ``o``). ``fp32_grads`` returns ``dq``, ``dk``, ``dv`` in fp32 instead of the dtypes of q, k, v, for
+a caller that sums partial gradients and rounds the sum once (context parallelism: a ring tile sets
+both flags; a Ulysses call whose KV head is shared with other ranks holds every key of its rows but
+only part of that head's dk/dv, and sets ``fp32_grads`` alone). Neither flag implies the other.
 
 Every result is contiguous, exactly as the fake implementations describe it; every tensor handed
 to a backend is contiguous too (a strided view such as ``cu_seqlens[::2]`` is copied first), but
@@ -158,7 +163,7 @@ def _(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
 
 
 def _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softmax_scale, left, right, backend, partial) -> Results:
+              softmax_scale, left, right, backend, partial, fp32_grads=False) -> Results:
     """The implementation of ``sinkattn::backward``."""
     caps, impl = backends.describe(backend), backends.load(backend)
     shapes = (q.shape, k.shape, v.shape)
@@ -174,7 +179,8 @@ def _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k,
         mass = sink.sink_mass(sinks, stats, caps.base2) if sinks is not None else None
         dq, dk, dv, delta = impl.backward(do, dlse, q, k, v, o, stats, mass, batch, window, softmax_scale, partial)
         dsinks = sink.dsinks_from(sinks, mass, delta) if sinks is not None else q.new_empty((0,))
-    return tuple(contiguous(*(g.to(x.dtype).view(shape) for g, x, shape in zip((dq, dk, dv), (q, k, v), shapes)),
+    dtypes = (torch.float32,) * 3 if fp32_grads else (q.dtype, k.dtype, v.dtype)
+    return tuple(contiguous(*(g.to(dtype).view(shape) for g, dtype, shape in zip((dq, dk, dv), dtypes, shapes)),
                             dsinks))
 
 
@@ -183,16 +189,17 @@ def backward(do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: to
              sinks: torch.Tensor | None, o: torch.Tensor, m: torch.Tensor, log_l: torch.Tensor,
              cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
              max_seqlen_k: int, softmax_scale: float, left: int, right: int, backend: str,
-             partial: bool) -> Results:
+             partial: bool, fp32_grads: bool = False) -> Results:
     return _backward(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, left, right, backend, partial)
+                     max_seqlen_k, softmax_scale, left, right, backend, partial, fp32_grads)
 
 
 @backward.register_fake
 def _(do, dlse, q, k, v, sinks, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      softmax_scale, left, right, backend, partial):
+      softmax_scale, left, right, backend, partial, fp32_grads=False):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    grads = [x.new_empty(x.shape, dtype=torch.float32 if fp32_grads else x.dtype) for x in (q, k, v)]
+    return *grads, dsinks
 
 
 def _setup_context(ctx, inputs, output):
@@ -249,10 +256,10 @@ def attention(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
 
 def gradients(do, dlse, q, k, v, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-              softmax_scale: float, window: Window, backend: str, partial: bool = False):
+              softmax_scale: float, window: Window, backend: str, partial: bool = False, fp32_grads: bool = False):
     """``(dq, dk, dv)`` of ``sinkattn::backward`` without sinks, from the final ``o``, ``m``, ``log_l``
-    of the rows (context parallelism's tiles)."""
+    of the rows (context parallelism's tiles); fp32 with ``fp32_grads``, else in the dtypes of q, k, v."""
     args = (do, dlse, q, k, v, None, o, m, log_l, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, window.left, window.right, backend, partial)
+            softmax_scale, window.left, window.right, backend, partial, fp32_grads)
     dq, dk, dv, _ = _backward(*args) if is_plain_eager(do, q, k, v) else backward(*args)
     return dq, dk, dv

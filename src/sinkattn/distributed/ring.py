@@ -11,10 +11,11 @@ can see are never computed.
 Backward, per tile, the ``sinkattn::backward`` op with the rows' final ``o`` and statistics (the
 sink and every key of the ring included) and ``dO`` as it came: the backend's ``P`` is then the
 full softmax's restricted to the tile and its ``Delta = <dO, o> - dlse`` the full row's, so each
-tile's dQ / dK / dV terms are the exact ones, from any backend, with nothing rounded on the way.
-dK/dV accumulators travel the ring behind their K/V and arrive home after P steps, summed in ring
-order. ``dsinks = -sum_rows exp(sink - lse) Delta`` over this rank's rows. Every sum runs in one
-fixed order: results are bitwise reproducible for a fixed P and layout.
+tile's dQ / dK / dV terms are the exact ones, from any backend. They come back in fp32 (the op's
+``fp32_grads``) and are summed in fp32 accumulators: dK/dV's travel the ring behind their K/V and
+arrive home after P steps, summed in ring order, and every gradient is rounded to its input's
+dtype once, at the end. ``dsinks = -sum_rows exp(sink - lse) Delta`` over this rank's rows. Every
+sum runs in one fixed order: results are bitwise reproducible for a fixed P and layout.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class _Ring(torch.autograd.Function):
             for tile in plans[step]:
                 o_b, _, m_b, l_b = ops.attention(*_tile_inputs(tile, q, *kv), None, tile.cu_q, tile.cu_k,
                                                  *tile.max_seqlen, call.softmax_scale, tile.window, call.backend,
-                                                 needs_grad=True, check_cu_seqlens=False)
+                                                 needs_grad=False, check_cu_seqlens=False, for_backward=True)
                 rows = tile.q
                 tile_stats = sink.Stats(*(x.view(HQ, rows.n, rows.count) for x in (m_b, l_b)))
                 merged, new = sink.merge(rows.of(o), _stats_rows(stats, rows), o_b.view(rows.of(o).shape),
@@ -178,7 +179,7 @@ class _Ring(torch.autograd.Function):
                 dq_b, dk_b, dv_b = ops.gradients(tile.q.packed(dout), dlse_b, *_tile_inputs(tile, q, *kv),
                                                  tile.q.packed(o), *_tile_stats(tile, m, log_l), tile.cu_q,
                                                  tile.cu_k, *tile.max_seqlen, call.softmax_scale, tile.window,
-                                                 call.backend, partial=True)
+                                                 call.backend, partial=True, fp32_grads=True)
                 rows_q = tile.q.of(dq)
                 rows_q += dq_b.view(rows_q.shape)
                 for acc, grad in zip(mine, (dk_b, dv_b)):

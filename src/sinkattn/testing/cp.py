@@ -5,11 +5,16 @@ of ``CASES`` (plus the error cases) through ``sinkattn.distributed``, saving thi
 to ``folder/rank{r}.pt``; the test process compares them with single-process ``sinkattn`` on
 the full tensors, which it computes itself. One group per world size keeps the spawn cost
 (seconds) out of every case.
+
+``spawn_precision(folder)`` runs the precision matrix (``PRECISION`` x ``PRECISION_SEEDS``) at P = 2
+and 3 in one group of 3 processes (P = 2 on a subgroup), started from a fork server, and returns the
+results put together from the ranks' shards for the test process to hold to Gate A.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import traceback
 from dataclasses import dataclass
@@ -20,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["CPCase", "CASES", "ERRORS", "inputs", "spawn", "SHAPE", "LENGTHS", "AUTOCAST_DTYPE", "PrecisionCase",
-           "PRECISION", "precision_inputs", "spawn_precision", "join_ranks"]
+           "PRECISION", "PRECISION_SIZES", "PRECISION_SEEDS", "precision_inputs", "spawn_precision", "join_ranks"]
 
 SHAPE = dict(B=2, S=32, HQ=4, HKV=2, D=8)
 LENGTHS = (16, 0, 8, 8, 40)       # a packed batch (8, 8: one run of two); every length divisible by 8
@@ -88,89 +93,138 @@ def inputs(case: CPCase, seed: int = 0) -> dict[str, torch.Tensor]:
     return x
 
 
+PRECISION_SIZES = (2, 3)
+"""The group sizes of the precision matrix: one spawned group of 3 ranks runs P = 3 on the whole
+group and P = 2 on a subgroup of its first two ranks."""
+
+PRECISION_SEEDS = tuple(range(8))
+"""The seeds every cell of ``PRECISION`` runs, one call each: even ones on the zigzag layout, odd ones on
+contiguous."""
+
+
 @dataclass(frozen=True)
 class PrecisionCase:
-    """A packed context-parallel call in one dtype, held to Gate A against the float64 golden (the same
-    standard as one process): ``lengths`` of the global packing (multiples of 2P), ``HQ``/``HKV``/``D``."""
+    """One cell of the precision matrix: a packed context-parallel call in one dtype, held to Gate A
+    against the float64 golden (the standard of one process) for every seed of ``PRECISION_SEEDS``.
+
+    The head counts follow the group size P: ``HQ = 2P`` query heads and ``HKV`` = 1 (``kv="1"``,
+    one KV head shared by every rank), P (``kv="P"``) or 2P (``kv="2P"``, more KV heads than ranks).
+    ``mask``: ``causal``, or ``window`` (causal, ``window_size=(5, 0)``: 6 keys). D = 16, and the
+    packing ``lengths(P)`` is three short sequences."""
 
     dtype: str
-    method: str = "ring"
-    layout: str = "zigzag"
-    causal: bool = True
-    window: tuple[int, int] = (-1, -1)
-    HQ: int = 4
-    HKV: int = 2
-    D: int = 64
-    seed: int = 0
+    method: str
+    kv: str
+    mask: str
+    D: int = 16
 
-    def name(self, P: int) -> str:
-        mask = ("causal" if self.causal else "full") + ("" if self.window == (-1, -1) else f"-w{self.window[0]}")
-        return f"{self.dtype}-{self.method}-{self.layout}-{mask}-d{self.D}-seed{self.seed}-P{P}"
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}-{self.method}-hkv{self.kv}-{self.mask}"
 
-    def lengths(self, P: int) -> tuple[int, ...]:
-        """Lengths near 64, 128, 32, rounded to multiples of 2P (a zigzag layout's chunks)."""
-        return tuple(2 * P * max(1, round(n / (2 * P))) for n in (64, 128, 32))
+    def heads(self, P: int) -> tuple[int, int]:
+        """``(HQ, HKV)`` at group size P."""
+        return 2 * P, {"1": 1, "P": P, "2P": 2 * P}[self.kv]
+
+    causal = True
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return (5, 0) if self.mask == "window" else (-1, -1)
+
+    @staticmethod
+    def layout(seed: int) -> str:
+        return "zigzag" if seed % 2 == 0 else "contiguous"
+
+    @staticmethod
+    def lengths(P: int) -> tuple[int, ...]:
+        """Three sequences, multiples of 2P (a zigzag layout's chunks): 8P, 8P (one run), 4P."""
+        return 8 * P, 8 * P, 4 * P
 
 
-PRECISION = [PrecisionCase(dtype, method, layout, causal, window, seed=seed, HQ=heads, HKV=heads // group)
-             for dtype in ("float16", "bfloat16", "float32")
-             for method, layout, causal, window, seed, heads, group in (
-                 ("ring", "zigzag", True, (-1, -1), 0, 4, 2), ("ring", "zigzag", True, (-1, -1), 1, 4, 2),
-                 ("ring", "contiguous", True, (23, 0), 0, 4, 2), ("ring", "zigzag", False, (-1, -1), 0, 4, 2),
-                 ("ulysses", "zigzag", True, (-1, -1), 0, 6, 1))]      # Ulysses: heads divisible by P = 2 and 3
+PRECISION = [PrecisionCase(dtype, method, kv, mask) for dtype in ("float16", "bfloat16", "float32")
+             for method in ("ring", "ulysses") for kv in ("1", "P", "2P") for mask in ("causal", "window")]
+"""Every head count here is one Ulysses accepts at P = 2 and 3 (HQ divisible by P, HKV dividing or divided by P)."""
 
 
-def precision_inputs(case: PrecisionCase, P: int) -> dict[str, torch.Tensor]:
+def precision_inputs(case: PrecisionCase, P: int, seed: int) -> dict[str, torch.Tensor]:
     """The full tensors of a precision case: q, k, v, dout in its dtype, sinks and dlse fp32."""
-    g = torch.Generator().manual_seed(case.seed)
-    T, dtype = sum(case.lengths(P)), getattr(torch, case.dtype)
-    x = dict(q=torch.randn(T, case.HQ, case.D, generator=g), k=torch.randn(T, case.HKV, case.D, generator=g),
-             v=torch.randn(T, case.HKV, case.D, generator=g), dout=torch.randn(T, case.HQ, case.D, generator=g))
+    g = torch.Generator().manual_seed(seed)
+    (HQ, HKV), T, dtype = case.heads(P), sum(case.lengths(P)), getattr(torch, case.dtype)
+    x = dict(q=torch.randn(T, HQ, case.D, generator=g), k=torch.randn(T, HKV, case.D, generator=g),
+             v=torch.randn(T, HKV, case.D, generator=g), dout=torch.randn(T, HQ, case.D, generator=g))
     x = {n: t.to(dtype) for n, t in x.items()}
-    x.update(sinks=torch.randn(case.HQ, generator=g), dlse=torch.randn(case.HQ, T, generator=g))
+    x.update(sinks=torch.randn(HQ, generator=g), dlse=torch.randn(HQ, T, generator=g))
     return x
 
 
-def _run_precision(case: PrecisionCase, P: int, cp) -> dict:
-    x, lengths = precision_inputs(case, P), case.lengths(P)
-    cu = _offsets(lengths)
-    q, k, v = (cp.shard_varlen(x[n], cu, layout=case.layout).requires_grad_() for n in "qkv")
+def _run_precision(case: PrecisionCase, P: int, seed: int, rank: int, group, cp) -> dict:
+    """This rank's results of one case and seed: its shards of o, lse, dq, dk, dv (token-first) and its
+    dsinks contribution. The shards are cut here by ``rank_order``, with no collective (``shard_varlen``
+    is tested with ``CASES``): the call's own communication is the only one."""
+    from ..distributed.layout import rank_order
+    x, lengths, layout = precision_inputs(case, P, seed), case.lengths(P), case.layout(seed)
+    mine = rank_order(lengths, P, layout).view(P, -1)[rank]
+    q, k, v = (x[n].index_select(0, mine).requires_grad_() for n in "qkv")
     sinks = x["sinks"].clone().requires_grad_()
-    out, lse = cp.sink_attn_varlen_func(q, k, v, cu, max(lengths), sinks=sinks, causal=case.causal,
-                                        window_size=case.window, return_lse=True, method=case.method,
-                                        layout=case.layout)
-    dout = cp.shard_varlen(x["dout"], cu, layout=case.layout)
-    dlse = cp.shard_varlen(x["dlse"].t(), cu, layout=case.layout).t()
-    torch.autograd.backward([out, lse], [dout, dlse])
-    full = dict(o=out, lse=lse.t(), dq=q.grad, dk=k.grad, dv=v.grad)
-    result = {n: cp.unshard_varlen(t.detach().contiguous(), cu, layout=case.layout) for n, t in full.items()}
-    result["lse"] = result["lse"].t()
-    dsinks = sinks.grad.clone()
-    dist.all_reduce(dsinks)
-    result["dsinks"] = dsinks
-    return result
+    out, lse = cp.sink_attn_varlen_func(q, k, v, _offsets(lengths), max(lengths), sinks=sinks, causal=case.causal,
+                                        window_size=case.window, return_lse=True, group=group, method=case.method,
+                                        layout=layout)
+    torch.autograd.backward([out, lse], [x["dout"].index_select(0, mine), x["dlse"].index_select(1, mine)])
+    return dict(o=out.detach(), lse=lse.detach().t(), dq=q.grad, dk=k.grad, dv=v.grad, dsinks=sinks.grad)
 
 
-def _precision_worker(rank: int, P: int, folder: str) -> None:
+def _precision_worker(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=P,
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     from .. import distributed as cp
     results: dict = {"cases": {}, "failure": None}
     try:
-        for case in PRECISION:
-            results["cases"][case.name(P)] = _run_precision(case, P, cp)
+        groups = {P: None if P == world else dist.new_group(list(range(P))) for P in PRECISION_SIZES}
+        for P, group in groups.items():
+            if rank >= P:
+                continue
+            for case in PRECISION:
+                for seed in PRECISION_SEEDS:
+                    results["cases"][P, case.name, seed] = _run_precision(case, P, seed, rank, group, cp)
     except Exception:             # noqa: BLE001 - reported to the test process
         results["failure"] = traceback.format_exc()
-    if rank == 0:
-        torch.save(results, os.path.join(folder, "precision.pt"))
+    torch.save(results, os.path.join(folder, f"precision{rank}.pt"))
     dist.destroy_process_group()
 
 
-def spawn_precision(P: int, folder: str, timeout: float = 300.0) -> dict:
-    """Run ``PRECISION`` on P gloo ranks: the gathered full results of every case, by ``case.name(P)``."""
-    join_ranks(mp.spawn(_precision_worker, args=(P, folder), nprocs=P, join=False), P, timeout)
-    return torch.load(os.path.join(folder, "precision.pt"), weights_only=False)
+def spawn_precision(folder: str, timeout: float = 300.0) -> dict:
+    """Run ``PRECISION`` (every seed) at every P of ``PRECISION_SIZES``, in one spawned gloo group. Returns
+    ``{"failure": a rank's traceback or None, "cases": {(P, case.name, seed): results}}``: the full tensors
+    put together from the ranks' shards (``lse [HQ, T]``) and ``dsinks`` summed over the ranks in rank order."""
+    from ..distributed.layout import rank_order
+    world = max(PRECISION_SIZES)
+    join_ranks(_start(_precision_worker, (world, folder), world), world, timeout)
+    ranks = [torch.load(os.path.join(folder, f"precision{r}.pt"), weights_only=False) for r in range(world)]
+    failure = next((f"rank {r}:\n{res['failure']}" for r, res in enumerate(ranks) if res["failure"]), None)
+    cases = {}
+    for P in PRECISION_SIZES if failure is None else ():
+        for case in PRECISION:
+            for seed in PRECISION_SEEDS:
+                inverse = torch.argsort(rank_order(case.lengths(P), P, case.layout(seed)))
+                parts = [res["cases"][P, case.name, seed] for res in ranks[:P]]
+                full = {n: torch.cat([p[n] for p in parts]).index_select(0, inverse)
+                        for n in ("o", "lse", "dq", "dk", "dv")}
+                full["lse"] = full["lse"].t()
+                full["dsinks"] = functools.reduce(torch.add, [p["dsinks"] for p in parts])
+                cases[P, case.name, seed] = full
+    return {"failure": failure, "cases": cases}
+
+
+def _start(fn, args: tuple, nprocs: int):
+    """``fn(rank, *args)`` in ``nprocs`` new processes (``join=False``): forked from a fork server that has
+    imported torch and sinkattn once (a spawned process imports them itself, seconds each on two shared
+    cores), or spawned where there is no fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    mp.get_context("forkserver").set_forkserver_preload(["sinkattn.testing.cp", "sinkattn.distributed"])
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
 
 
 def _offsets(lengths) -> torch.Tensor:
