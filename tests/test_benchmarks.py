@@ -494,6 +494,13 @@ def test_ab_benchmark_quick(tmp_path):
     assert [r["target"] for r in rows if r["section"] == "decode"] == [3.0, None] * 2
 
 
+def test_ab_benchmark_only_times_the_sections_asked_for(tmp_path):
+    stdout, report = _quick("ab", tmp_path, "--baseline", str(ROOT), "--only", "short", "decode")
+    assert report["sections"] == ["decode", "short"] and report["skipped"] == {}
+    assert [r["section"] for r in report["rows"]] == ["decode"] * 4 + ["short"] * 2
+    assert not any(x.startswith(("training", "tiny", "generate")) for x in stdout.splitlines())
+
+
 def test_ab_benchmark_refuses_a_baseline_that_is_not_a_checkout(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--baseline", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
