@@ -458,20 +458,47 @@ def test_nonfinite_benchmark_quick(tmp_path):
 
 
 def test_ab_benchmark_quick(tmp_path):
-    """This checkout against itself as the baseline: each ratio is the quotient of the two medians, each
-    median that of its samples (one per round and repeat)."""
+    """This checkout against itself as the baseline: every section is there; each ratio is the quotient of
+    the two medians, each median that of its samples (one per round and repeat, or per token interval), and
+    each peer ratio sinkattn's median over the peer's in the same checkout."""
     stdout, report = _quick("ab", tmp_path, "--baseline", str(ROOT))
     assert report["header"]["baseline_commit"] == report["header"]["this_commit"]
     rows = report["rows"]
-    assert [(r["case"], r["mode"]) for r in rows] == [
-        (case, mode) for case in ("causal S=256 D=64 fp32", "packed [96, 40, 72, 48] D=64 fp32")
-        for mode in ("inference", "forward", "forward+backward")]
-    for r in rows:
+    generate = "generate" not in report["skipped"]
+    assert report["sections"] == ["training", "decode", "tiny", "short"] + ["generate"] * generate
+    assert [(r["section"], r["case"], r["mode"]) for r in rows] == [
+        ("training", case, mode) for case in ("causal S=256 D=64 fp32", "packed [96, 40, 72, 48] D=64 fp32")
+        for mode in ("inference", "forward", "forward+backward")] + [
+        ("decode", f"B={B} Sk={Sk} HQ=16 HKV=2 D=64 fp32", "inference") for B in (1, 4) for Sk in (16, 128)] + [
+        ("tiny", "500 seqs of 1-3 tokens HQ=8 HKV=2 D=64 fp32", mode) for mode in ("inference", "forward+backward")] + [
+        ("short", f"causal S={S} HQ=16 HKV=4 D=64 fp32", "inference") for S in (64, 128)] + [
+        ("generate", "tiny gpt-oss, prompt 32, 4 new tokens", "per token")] * generate
+    assert {r["peer"] for r in rows} == {None, "sdpa", "100-156 tokens", *["eager"] * generate}
+    lines = stdout.splitlines()
+    legend = lines.index(next(x for x in lines if x.startswith("section ")))
+    assert "this / baseline" in lines[legend - 1] and "base/peer" in lines[legend] and "this/peer" in lines[legend]
+    for r, printed in zip(rows, lines[legend + 1:]):
         for tree in ("baseline", "this"):
-            assert len(r["samples"][tree]) == report["rounds"] * report["repeats"] == 1
+            per_run = 3 if r["section"] == "generate" else 1        # generate: the intervals between 4 tokens
+            assert len(r["samples"][tree]) == report["rounds"] * report["repeats"] * per_run
             samples_hold(dict(seconds=r["seconds"][tree], samples=r["samples"][tree]))
+            if r["peer"]:
+                assert len(r["peer_samples"][tree]) == len(r["samples"][tree])
+                samples_hold(dict(seconds=r["peer_seconds"][tree], samples=r["peer_samples"][tree]))
+                assert r["peer_ratio"][tree] == quotient(r["seconds"][tree], r["peer_seconds"][tree])
         assert r["ratio"] == quotient(r["seconds"]["this"], r["seconds"]["baseline"])
-        assert f"this/baseline {r['ratio']:.2f}" in stdout
+        assert printed.startswith(r["section"]) and r["case"] in printed and f"{r['ratio']:9.2f}" in printed
+        if r["peer"]:
+            assert f"{r['peer_ratio']['baseline']:9.2f} {r['peer_ratio']['this']:9.2f}" in printed
+            assert f"<= {r['target']:.2f}" in printed if r["target"] else printed.endswith("-")
+    assert [r["target"] for r in rows if r["section"] == "decode"] == [3.0, None] * 2
+
+
+def test_ab_benchmark_only_times_the_sections_asked_for(tmp_path):
+    stdout, report = _quick("ab", tmp_path, "--baseline", str(ROOT), "--only", "short", "decode")
+    assert report["sections"] == ["decode", "short"] and report["skipped"] == {}
+    assert [r["section"] for r in report["rows"]] == ["decode"] * 4 + ["short"] * 2
+    assert not any(x.startswith(("training", "tiny", "generate")) for x in stdout.splitlines())
 
 
 def test_ab_benchmark_refuses_a_baseline_that_is_not_a_checkout(tmp_path):
