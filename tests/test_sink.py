@@ -1,11 +1,13 @@
 """The sink's rule (``sinkattn.sink``) as properties, on every CPU path, and the compiled kernel's copy of
-the join held to it.
+the join held to it; every backend declares exactly the optional parts it implements (``backends.protocol``),
+so no backend keeps a join of its own that the dispatcher never calls.
 
 A row that sees no key has ``o = 0`` and ``lse = sink`` exactly, whatever the sink's size: the sink is then
 the row's only term. A sink far below the scores (``-1e4``) must not underflow into ``lse = -inf`` on those
 rows, and its gradient collects their ``dlse``.
 """
 
+import inspect
 import math
 
 import pytest
@@ -14,8 +16,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import sinkattn
-from sinkattn import sink
-from sinkattn.backends import cpu_native
+from sinkattn import backends, sink
+from sinkattn.backends import cpu_native, protocol
 from sinkattn.testing import precision
 
 HQ, HKV, D = 4, 2, 8
@@ -162,3 +164,40 @@ def test_the_compiled_join_is_the_python_rule(sink_values, seed, special):
     rows = keyless & torch.isfinite(sinks)[:, None]
     for lse in (got_lse, want_lse):
         assert torch.equal(lse[rows], sinks[:, None].expand(HQ, T)[rows])
+
+
+OPTIONAL_PARTS = [("dense", protocol.DenseForward), ("joins_sink", protocol.SinkJoin)]
+
+
+def _parameters(function) -> list[str]:
+    return [name for name in inspect.signature(function).parameters if name != "self"]
+
+
+def _protocol_methods(proto) -> list[str]:
+    return [name for name, member in vars(proto).items() if inspect.isfunction(member) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("name", backends.NAMES)
+def test_a_backend_declares_what_it_implements_and_implements_what_it_declares(name):
+    """``Backend`` whole, and each optional part (``forward_dense``, ``join_sink``) present exactly when
+    ``CAPABILITIES`` declares it (``dense``, ``joins_sink``): ``sinkattn.ops`` calls an optional part only when
+    it is declared, so an undeclared one is dormant code (a second, untested copy of the sink's rule, say), and
+    a declared one that is missing fails at the first call. Every method takes the protocol's arguments, by the
+    protocol's names: a backend's forward takes no sinks (the sink joins in ``sinkattn.sink``, or in
+    ``join_sink``)."""
+    try:
+        impl = backends.load(name)
+    except NotImplementedError as exc:           # triton not installed
+        pytest.skip(str(exc))
+    assert isinstance(impl, protocol.Backend), f"{name} lacks part of the Backend protocol"
+    caps = impl.CAPABILITIES
+    assert caps.name == name
+    implemented = [protocol.Backend] + [proto for flag, proto in OPTIONAL_PARTS if isinstance(impl, proto)]
+    for flag, proto in OPTIONAL_PARTS:
+        declared, present = getattr(caps, flag), isinstance(impl, proto)
+        assert declared == present, (f"backend {name!r} declares {flag}={declared} but "
+                                     f"{'implements' if present else 'lacks'} {_protocol_methods(proto)}")
+    for proto in implemented:
+        for method in _protocol_methods(proto):
+            got, want = _parameters(getattr(impl, method)), _parameters(getattr(proto, method))
+            assert got == want, f"backend {name!r}: {method}{tuple(got)}, the protocol's is {method}{tuple(want)}"
