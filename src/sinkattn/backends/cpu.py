@@ -144,6 +144,12 @@ def _row_bounds(Lq: int, Lk: int, window) -> torch.Tensor:
     return torch.stack(masks.row_key_bounds(torch.arange(Lq), Lq, Lk, *window), 1)
 
 
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 with its last dim contiguous (the compiled kernel's rows), any other strides."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _dense_ok(q, k, o, lse_keys, softmax_scale: float) -> bool:
     """Whether the fused kernel's dense results are the formula's (``forward_dense``): scores well inside
     fp32 (``score_bound``), and ``o`` and every row's ``lse`` over keys finite. The compiled ``join_dense``
@@ -166,7 +172,7 @@ def forward_dense(q, k, v, sinks, window, softmax_scale):
     if Sq <= SMALL_ROWS and B > 0:
         native = cpu_native.load(chosen=chosen)
         if native is not None:
-            q32, k32, v32 = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+            q32, k32, v32 = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
             done = native.forward_small(q32, k32, v32, _row_bounds(Sq, k.shape[1], window), sinks, softmax_scale,
                                         MAX_SCORE, buffers.poisoning())
             return Final(done[0], sink.Stats(done[1], done[2]), done[3]) if done else None
@@ -175,7 +181,7 @@ def forward_dense(q, k, v, sinks, window, softmax_scale):
     part = cpu_fused.single_part(Sq, k.shape[1], *window)
     if part is None:
         return None
-    q32, k32, v32 = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+    q32, k32, v32 = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     o, lse_keys = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
                                                 part, softmax_scale)                # [B, HQ, Sq, D], [B, HQ, Sq]
     o = o.transpose(1, 2)                                                             # [B, Sq, HQ, D]

@@ -132,14 +132,15 @@ def _real_keys(mask, k, Sq: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _sequences(mask, position_ids, B: int, Sq: int, Sk: int, device, q_end=None) -> layout.Layout | None:
     """The layout of the padding (``mask`` or None) and the packing (``position_ids`` restarting
-    at 0), or None when there is neither: a dense call. Traced: the fixed-shape layout; eager:
-    the exact one, one host read-back per forward pass."""
+    at 0), or None when there is neither: a dense call (a mask without padding included, as
+    ``generate`` passes). Traced: the fixed-shape layout; eager: the exact one, one host read-back
+    per forward pass."""
     if mask is None and (position_ids is None or Sq != Sk or Sq < 2):
         return None
     if torch.compiler.is_compiling():
         return layout.fixed(mask, position_ids, B, Sq, Sk, device, q_end)
     lay = layout.memoized(layout.exact, (mask, position_ids), B, Sq, Sk, device)
-    return None if mask is None and lay.sequences == B else lay
+    return None if (mask is None or lay.all_real) and lay.sequences == B else lay
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,

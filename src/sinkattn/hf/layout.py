@@ -10,6 +10,7 @@ flattened rows (``0 .. B*S - 1``) go where and where each sequence starts:
     max_q, max_k  int       bounds of the longest sequence (the varlen API's max_seqlen)
     contiguous  bool        every row's real keys are one run of columns (no padding inside);
                             computed by ``exact`` only (``key_mask`` checks it for traced calls)
+    all_real    bool        every key is real (no padding at all); ``exact`` only
 
 The sequences: every row's real tokens (the key mask's True columns; all columns without a
 mask), split where ``position_ids`` restarts at 0 (Hugging Face's padding-free packing, honoured
@@ -53,6 +54,7 @@ class Layout:
     max_q: int
     max_k: int
     contiguous: bool = True
+    all_real: bool = False
 
     @property
     def sequences(self) -> int:
@@ -131,9 +133,10 @@ def exact(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, 
         cu_k, cu_q = _cu(real.sum(-1, dtype=torch.int32)), _cu(real[:, Sk - Sq:].sum(-1, dtype=torch.int32))
         index_q = torch.nonzero(real[:, Sk - Sq:].reshape(-1)).reshape(-1) if mask is not None else None
     zero = cu_k.new_zeros(1)
-    max_q, max_k, contiguous = torch.stack([torch.cat([zero, cu_q.diff()]).max(), torch.cat([zero, cu_k.diff()]).max(),
-                                            one_run(real).to(torch.int32)]).tolist()
-    return Layout(index_q, index_k, cu_q, cu_k, max_q, max_k, bool(contiguous))
+    max_q, max_k, contiguous, all_real = torch.stack([
+        torch.cat([zero, cu_q.diff()]).max(), torch.cat([zero, cu_k.diff()]).max(), one_run(real).to(torch.int32),
+        real.all().to(torch.int32)]).tolist()
+    return Layout(index_q, index_k, cu_q, cu_k, max_q, max_k, bool(contiguous), bool(all_real))
 
 
 def fixed(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, Sq: int, Sk: int,
