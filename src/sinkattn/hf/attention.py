@@ -227,7 +227,8 @@ def _local(q, k, v, attention_mask, kwargs, options):
         attention_mask = _pattern_mask(attention_mask.expand(B, -1, -1, -1), Sq, k.shape[1], options)
     if attention_mask is not None:
         mask, q_end = _real_keys(attention_mask, k, Sq)
-        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]   # a static cache's unwritten slots follow the n columns
+        if mask.shape[1] != k.shape[1]:                     # a static cache's unwritten slots follow the n columns
+            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     lay = _sequences(mask, kwargs.get("position_ids"), B, Sq, k.shape[1], q.device, q_end)
     if lay is not None:
         if options["window_size"] != (-1, -1) and not lay.contiguous:
