@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sinkattn import masks, sink_attn_varlen_func
+from sinkattn import sink_attn_varlen_func
+from sinkattn.masks import Window
 from sinkattn.testing import cases, verify
 from sinkattn.backends import triton as triton_backend
 from sinkattn.backends.triton import config, kernels, schedule
@@ -90,7 +91,7 @@ def test_fp32_backward_past_256_is_refused_where_it_does_not_fit(monkeypatch):
     q = torch.randn(4, 2, 300, device=DEVICE)
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with buffers.poisoned(), pytest.raises(NotImplementedError, match="float16 / bfloat16, or backend='cpu'"):
-        triton_backend.forward(q, q, q, Batch(cu, cu, 4, 4), masks.Window(-1, 0), 0.1, True)
+        triton_backend.forward(q, q, q, Batch(cu, cu, 4, 4), Window(-1, 0), 0.1, True)
 
 
 @pytest.mark.determinism
@@ -175,7 +176,7 @@ def test_launch_sized_by_a_loose_max_seqlen_equals_a_tight_one():
     do, dlse = torch.randn_like(q), torch.randn(HQ, sum(lens), device=DEVICE)
     results = []
     for bounds in ((9, 9), (9 + 64, 9 + 130)):
-        batch, window = Batch(cu, cu, *bounds), masks.Window(3, 0)
+        batch, window = Batch(cu, cu, *bounds), Window(3, 0)
         with buffers.poisoned():
             out, stats = triton_backend.forward(q, k, v, batch, window, 0.3, True)
             grads = triton_backend.backward(do, dlse, q, k, v, out, stats, None, batch, window, 0.3, False)
@@ -191,14 +192,15 @@ SCHEDULE_WINDOWS = [(-1, -1), (-1, 0), (7, 0), (0, 0), (5, 9), (-1, 3), (12, -1)
 @pytest.mark.parametrize("Lq,Lk", SCHEDULE_SHAPES)
 @pytest.mark.parametrize("left,right", SCHEDULE_WINDOWS)
 def test_unmasked_blocks_are_exactly_the_fully_visible_ones(Lq, Lk, left, right):
-    """The kernels' block split (mirrored in ``schedule``) against ``masks.visible``: the blocks a tile
+    """The kernels' block split (mirrored in ``schedule``) against ``Window.visible``: the blocks a tile
     visits hold every visible pair, and the ones it runs without the mask are exactly those every
     row of the tile sees whole (rows past the end count as seeing all: their ``P`` is 0 unmasked)."""
-    vis = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    window = Window(left, right)
+    vis = window.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk)
     for PM, BN in [(1, 4), (3, 8), (8, 8), (16, 4)]:          # forward / dQ tiles of PM positions
         for p0 in range(0, Lq, PM):
             p1 = min(p0 + PM, Lq)
-            b0, b1, i0, i1 = schedule.query_tile_blocks(p0, p1, Lq, Lk, left, right, BN)
+            b0, b1, i0, i1 = schedule.query_tile_blocks(p0, p1, Lq, Lk, window, BN)
             seen = vis[p0:p1].nonzero()[:, 1]
             assert all(b0 * BN <= j < b1 * BN for j in seen.tolist())
             for b in range(b0, b1):
@@ -208,7 +210,7 @@ def test_unmasked_blocks_are_exactly_the_fully_visible_ones(Lq, Lk, left, right)
     for BM, BN in [(4, 1), (8, 3), (8, 8), (4, 16)]:          # dK/dV programs of BN keys
         for n0 in range(0, Lk, BN):
             n1 = min(n0 + BN, Lk)
-            b0, b1, i0, i1 = schedule.key_block_rows(n0, n1, Lq, Lk, left, right, BM)
+            b0, b1, i0, i1 = schedule.key_block_rows(n0, n1, Lq, Lk, window, BM)
             seen = vis[:, n0:n1].nonzero()[:, 0]
             assert all(b0 * BM <= i < b1 * BM for i in seen.tolist())
             for b in range(b0, b1):
@@ -315,23 +317,22 @@ def test_the_device_flag_picks_the_dq_kernel_that_works():
     from sinkattn.testing import precision
 
     torch.manual_seed(3)
-    HQ, HKV, D, scale, left, right = 4, 2, 16, 0.3, 5, 0
+    HQ, HKV, D, scale, window = 4, 2, 16, 0.3, Window(5, 0)
     cu = torch.tensor([0, 11, 11, 30], dtype=torch.int32, device=DEVICE)
     q, do = torch.randn(30, HQ, D, device=DEVICE), torch.randn(30, HQ, D, device=DEVICE)
     k, v = torch.randn(2, 30, HKV, D, device=DEVICE)
     dlse = torch.randn(HQ, 30, device=DEVICE)
     with buffers.poisoned():                 # no sinks: the backend's statistics over the keys are final
-        out, (m2, log2_l) = triton_backend.forward(q, k, v, Batch(cu, cu, 19, 19), masks.Window(left, right), scale,
-                                                   True)
-    gold_o, _ = reference.forward(q, k, v, None, cu, cu, scale, left, right)
+        out, (m2, log2_l) = triton_backend.forward(q, k, v, Batch(cu, cu, 19, 19), window, scale, True)
+    gold_o, _ = reference.forward(q, k, v, None, cu, cu, scale, window)
     gold_delta = torch.linalg.vecdot(do.double(), gold_o).t() - dlse.double()
-    gold_dq = reference.backward(do, dlse, q, k, v, None, cu, cu, scale, left, right)[0]
+    gold_dq = reference.backward(do, dlse, q, k, v, None, cu, cu, scale, window)[0]
     delta = torch.full((HQ, 30), float("nan"), device=DEVICE)
     launch.delta(out, do, dlse, delta, None)()
     from_delta_kernel = delta.clone()
     flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     dq = torch.full_like(q, float("nan"))
-    plans = {exact_delta: launch.dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu, cu, scale, left, right, 19, None,
+    plans = {exact_delta: launch.dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu, cu, scale, window, 19, None,
                                     False, False, flag, exact_delta) for exact_delta in (False, True)}
     plans[True]()
     assert dq.isnan().all() and torch.equal(delta, from_delta_kernel)
@@ -384,14 +385,14 @@ def test_scores_beyond_fp32_are_computed_as_fp32_holds_them():
         out, lse = sink_attn_varlen_func(*leaves[:3], cu, cu, 12, 12, sinks=leaves[3], causal=True, return_lse=True,
                                          backend="triton")
         grads = torch.autograd.grad(out.sum() + lse.sum(), leaves)
-    gold_o, gold_lse = reference.forward(q, k, v, sinks, cu, cu, D ** -0.5, -1, 0)
+    gold_o, gold_lse = reference.forward(q, k, v, sinks, cu, cu, D ** -0.5, Window(-1, 0))
     assert out[:4].isnan().all() and (lse[:, :4] == float("inf")).all()
     assert precision.check("o", out[4:], gold_o[4:], dtype=torch.float32).gate_a
     assert precision.check("lse", lse[:, 4:], gold_lse[:, 4:], dtype=torch.float32).gate_a
     x1 = [t[8:].detach() for t in (q, k, v)]
     cu1 = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
     gold = reference.backward(torch.ones(12, HQ, D, device=DEVICE), torch.ones(HQ, 12, device=DEVICE), *x1, sinks,
-                              cu1, cu1, D ** -0.5, -1, 0)
+                              cu1, cu1, D ** -0.5, Window(-1, 0))
     for name, got, want in zip(("dq", "dk", "dv"), grads[:3], gold[:3]):
         assert not got[:8].isfinite().all(), name
         assert precision.check(name, got[8:], want, dtype=torch.float32).gate_a, name
@@ -419,6 +420,6 @@ def test_gradients_of_an_unused_out_or_lse_arrive_as_none(backend, used):
         outputs, seeds = dict(out=([out], [do]), lse=([lse], [dlse]), both=([out, lse], [do, dlse]))[used]
         grads = torch.autograd.grad(outputs, leaves, seeds)
     gold = reference.backward(do if used != "lse" else torch.zeros_like(do), dlse if used != "out" else None, *x[:3],
-                              x[3], cu, cu, 0.25, 6, 2)
+                              x[3], cu, cu, 0.25, Window(6, 2))
     for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, gold):
         assert precision.check(name, got, want, dtype=torch.float32).gate_a, (used, name)
