@@ -22,17 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "BEYOND_ANY_LENGTH",
-    "Window",
-    "row_key_bounds",
-    "visible",
-    "block_visible",
-    "block_key_range",
-    "block_fully_visible",
-    "row_blocks",
-    "sub_block",
-]
+__all__ = ["BEYOND_ANY_LENGTH", "Window"]
 
 
 BEYOND_ANY_LENGTH = 2 ** 62
@@ -181,34 +171,3 @@ class Window(NamedTuple):
         diagonal = keys - rows
         window = Window(diagonal - low if low is not None else -1, high - diagonal if high is not None else -1)
         return rows, keys, window.folded(rows, keys)
-
-
-# The rule as functions of bare ``left, right`` ints, for the callers not yet passing the ``Window``.
-
-def row_key_bounds(i, Lq, Lk, left: int, right: int):
-    return Window(left, right).key_bounds(i, Lq, Lk)
-
-
-def visible(rows: torch.Tensor, cols: torch.Tensor, Lq, Lk, left: int, right: int) -> torch.Tensor:
-    return Window(left, right).visible(rows, cols, Lq, Lk)
-
-
-def block_visible(R: int, C: int, shift: int, left: int, right: int) -> torch.Tensor:
-    return Window(left, right).block_visible(R, C, shift)
-
-
-def block_key_range(r0: int, r1: int, Lq: int, Lk: int, left: int, right: int) -> tuple[int, int]:
-    return Window(left, right).block_key_range(r0, r1, Lq, Lk)
-
-
-def block_fully_visible(r0: int, r1: int, k0: int, k1: int, Lq: int, Lk: int, left: int, right: int) -> bool:
-    return Window(left, right).block_fully_visible(r0, r1, k0, k1, Lq, Lk)
-
-
-def row_blocks(Lq: int, Lk: int, left: int, right: int, block_rows: int):
-    return Window(left, right).row_blocks(Lq, Lk, block_rows)
-
-
-def sub_block(a: int, m: int, b: int, n: int, left: int, right: int) -> tuple[int, int, int, int] | None:
-    cut = Window(left, right).sub_block(a, m, b, n)
-    return None if cut is None else (cut[0], cut[1], *cut[2])
