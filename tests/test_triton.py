@@ -219,6 +219,39 @@ def test_unmasked_blocks_are_exactly_the_fully_visible_ones(Lq, Lk, left, right)
 
 
 @triton.jit
+def _bounds_probe(LQ, LK, LEFT, RIGHT, OUT, BLOCK: tl.constexpr):
+    """Per program (one ``(Lq, Lk, left, right)``): the kernels' ``_row_key_bounds`` of rows and
+    ``_key_row_bounds`` of keys ``[0, BLOCK)``, as ``OUT [programs, 4, BLOCK]`` int32 (lo, hi, i_lo, i_hi)."""
+    pid = tl.program_id(0)
+    Lq, Lk, left, right = tl.load(LQ + pid), tl.load(LK + pid), tl.load(LEFT + pid), tl.load(RIGHT + pid)
+    x = tl.arange(0, BLOCK)
+    lo, hi = kernels._row_key_bounds(x, Lq, Lk, left, right)
+    i_lo, i_hi = kernels._key_row_bounds(x, Lq, Lk, left, right)
+    base = OUT + pid * 4 * BLOCK
+    tl.store(base + x, lo)
+    tl.store(base + BLOCK + x, hi)
+    tl.store(base + 2 * BLOCK + x, i_lo)
+    tl.store(base + 3 * BLOCK + x, i_hi)
+
+
+def test_kernels_transcribe_the_window_rule():
+    """The kernels' copy of the mask rule (Triton, ints) against ``Window``: for every row ``i < Lq`` the
+    keys ``[lo, hi)`` are ``Window.key_bounds``, for every key ``j < Lk`` the rows ``[i_lo, i_hi)`` are
+    ``Window.row_bounds``, over windows with either side unbounded, zero or bounded, Lq < Lk and Lq > Lk."""
+    shapes = [(7, 7), (5, 11), (11, 5), (1, 9), (9, 1), (16, 3), (3, 16)]
+    windows = [(-1, -1), (-1, 0), (0, 0), (3, -1), (-1, 2), (2, 3), (10, 0), (0, 5), (20, 20)]
+    combos = [(Lq, Lk, left, right) for Lq, Lk in shapes for left, right in windows]
+    LQ, LK, LEFT, RIGHT = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in zip(*combos))
+    BLOCK = 16
+    out = torch.full((len(combos), 4, BLOCK), -99, dtype=torch.int32, device=DEVICE)
+    _bounds_probe[(len(combos),)](LQ, LK, LEFT, RIGHT, out, BLOCK=BLOCK)
+    for (Lq, Lk, left, right), got in zip(combos, out.tolist()):
+        window = Window(left, right)
+        assert [(got[0][i], got[1][i]) for i in range(Lq)] == [window.key_bounds(i, Lq, Lk) for i in range(Lq)]
+        assert [(got[2][j], got[3][j]) for j in range(Lk)] == [window.row_bounds(j, Lq, Lk) for j in range(Lk)]
+
+
+@triton.jit
 def _lpt_probe(OUT, chunk, N, HT, NB, CHUNK: tl.constexpr):
     block, seq, head_tile = kernels._lpt_program(chunk, N, HT, NB, CHUNK)
     pid = tl.program_id(0)
