@@ -80,8 +80,8 @@ def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor
     if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
         raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
                          f"for {Sq} queries and {Sk} keys; pass a 2-D padding mask [B, S] (or none) instead, {_EAGER}")
-    left, right = Window.of(options["causal"], options["window_size"])
-    slots = pattern_keys(mask, left, right)
+    window = Window.of(options["causal"], options["window_size"])
+    slots = pattern_keys(mask, window.left, window.right)      # an op: its schema takes ints
     return slots if Sq < Sk else slots > 0
 
 

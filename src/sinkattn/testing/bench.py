@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .. import __version__
 from ..interface import sink_attn_func, sink_attn_varlen_func
+from ..masks import Window
 from . import eager, flops, isa
 
 __all__ = ["Problem", "Row", "Spread", "CONFIGS", "PROVIDERS", "MODES", "MODE_NAMES", "NOISE_LIMIT", "run", "header",
@@ -110,8 +111,8 @@ class Problem:
         return 2 * sum(self.seq_lens) * (2 * self.HQ + 2 * self.HKV) * self.D * self.torch_dtype.itemsize
 
     def flops(self, mode: str) -> float:
-        left, right = self.window[0], 0 if self.causal else self.window[1]
-        return flops.attention_flops(self.seq_lens, self.seq_lens, self.HQ, self.D, left, right, mode)
+        window = Window.of(self.causal, self.window)
+        return flops.attention_flops(self.seq_lens, self.seq_lens, self.HQ, self.D, window, mode)
 
 
 @dataclass

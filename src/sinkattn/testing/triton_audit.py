@@ -109,6 +109,7 @@ def _example(cfg: Config):
     from ..backends.triton import launch
 
     from ..backends.triton import config
+    from ..masks import Window
 
     dt = getattr(torch, cfg.dtype)
     T, HQ, HKV, N = (EXAMPLE_SHAPE[k] for k in ("T", "HQ", "HKV", "N"))
@@ -124,16 +125,16 @@ def _example(cfg: Config):
     if cfg.tile is not None and cfg.kernel != "delta":
         common["blocks"] = config.Blocks(*cfg.tile)
     if cfg.kernel == "fwd":
-        return launch.forward(q, k, v, torch.zeros(HQ, **f32), out, *stats[:3], cu, cu, D ** -0.5, -1, 0, T // N,
-                              **common)
+        return launch.forward(q, k, v, torch.zeros(HQ, **f32), out, *stats[:3], cu, cu, D ** -0.5, Window(-1, 0),
+                              T // N, **common)
     if cfg.kernel == "delta":
         return launch.delta(out, do, dlse, stats[3], cfg.chip)
     grads = (q, k, v, do, stats[1], stats[2])
     if cfg.kernel == "dq":
-        return launch.dq(*grads, dlse, stats[3], out, cu, cu, D ** -0.5, -1, 0, T // N, **common,
+        return launch.dq(*grads, dlse, stats[3], out, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common,
                          exact=torch.zeros(1, dtype=torch.int32), exact_delta=cfg.exact_delta)
     dk, dv = torch.zeros(T, HKV, D, **f32), torch.zeros(T, HKV, D, **f32)
-    return launch.dkdv(*grads, stats[3], dk, dv, cu, cu, D ** -0.5, -1, 0, T // N, **common)
+    return launch.dkdv(*grads, stats[3], dk, dv, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common)
 
 
 def _specialize(plan):
