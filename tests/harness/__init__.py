@@ -5,6 +5,7 @@
   parallelism, DeepSpeed's Ulysses), and ``hf_cp.launch`` that starts them;
 * ``gpt_oss``, ``families``: tiny seeded Hugging Face models with sinks (no downloads);
 * ``training``: a tokenizer, data sets and a collator made here, for the trainer tests;
+* ``isa``: child processes held to a narrower CPU instruction set;
 * ``triton_audit``: the Triton kernels' resource audit (``PYTHONPATH=tests python -m harness.triton_audit``).
 
 Importable as ``harness`` with ``tests/`` on ``sys.path``: pytest puts it there (``tests/`` has no
