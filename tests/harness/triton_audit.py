@@ -108,9 +108,7 @@ def configs(chips=None) -> list[Config]:
 
 def _example(cfg: Config):
     """The launch plan of ``cfg`` over example CPU tensors (never launched)."""
-    from sinkattn.backends.triton import launch
-
-    from sinkattn.backends.triton import config
+    from sinkattn.backends.triton import config, launch
 
     dt = getattr(torch, cfg.dtype)
     T, HQ, HKV, N = (EXAMPLE_SHAPE[k] for k in ("T", "HQ", "HKV", "N"))
