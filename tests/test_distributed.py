@@ -1,5 +1,5 @@
 """sinkattn.distributed against single-process sinkattn on the full tensors, on 2 and 4 gloo
-processes (one spawned group per world size runs every case; see sinkattn.testing.cp), and against
+processes (one spawned group per world size runs every case; see harness.cp), and against
 the float64 golden at P = 2 and 3 (one group of 3 processes runs the whole precision matrix)."""
 
 import os
@@ -14,7 +14,7 @@ import sinkattn
 import sinkattn.distributed as cp
 from sinkattn import reference
 from sinkattn.testing import precision
-from sinkattn.testing.cp import (AUTOCAST_DTYPE, CASES, ERRORS, LENGTHS, PRECISION, PRECISION_SEEDS,
+from harness.cp import (AUTOCAST_DTYPE, CASES, ERRORS, LENGTHS, PRECISION, PRECISION_SEEDS,
                                  PRECISION_SIZES, cu_seqlens, inputs, precision_inputs, spawn, spawn_precision)
 from sinkattn.masks import Window
 

@@ -16,7 +16,7 @@ from sinkattn.backends import triton as triton_backend
 from sinkattn.backends.triton import config, kernels, schedule
 from sinkattn.backends.capabilities import Batch
 from sinkattn.backends import buffers
-from sinkattn.testing import triton_audit
+from harness import triton_audit
 from conftest import DEVICE, describe
 
 ROOT = Path(__file__).resolve().parents[1]
