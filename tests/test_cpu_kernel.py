@@ -15,6 +15,7 @@ import torch
 
 import sinkattn
 from sinkattn.backends import cpu_native, cpu_small, cpu_tiles
+from sinkattn.masks import Window
 from sinkattn.testing import cases, verify
 from conftest import describe
 
@@ -91,7 +92,13 @@ def test_both_paths_meet_the_standard(case, path, kernel, monkeypatch):
     calls = _tile_calls(monkeypatch)
     result = verify.run_case(case, "cpu", repeats=2)
     assert result.passed, describe(result)
-    assert (calls == []) == (path == "compiled")
+    if path == "python":
+        assert calls
+        return
+    # the kernel takes every sequence but the short ones, which cpu_small takes many at a time
+    short = any(0 < lq and max(lq, lk) <= cpu_small.SHORT_LENGTH for lq, lk in zip(case.q_lens, case.k_lens))
+    assert not any(c.startswith(cpu_tiles.__name__) for c in calls), calls
+    assert any(c.startswith(cpu_small.__name__) for c in calls) == short, calls
 
 
 BF16_CASES = [dataclasses.replace(c, dtype=torch.bfloat16) for c in KERNEL_CASES] + [
@@ -164,7 +171,7 @@ def _kernel_call(ops, L, HQ, D, seed, bf16):
     g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(L, HQ, D, generator=g).bfloat16().float() for _ in range(2))
     k, v = (torch.randn(L, 1, D, generator=g).bfloat16().float() for _ in range(2))
-    cu_q, cu_k, bounds = cpu._sequences_of((0, L), (0, L), (-1, 0))
+    cu_q, cu_k, bounds = cpu._native_of((0, L), (0, L), Window(-1, 0), HQ).sequences
     row, post = cpu._scales(D ** -0.5)
     o, m, log_l = torch.empty(L, HQ, D), torch.empty(HQ, L), torch.empty(HQ, L)
     ops.forward(q, k, v, cu_q, cu_k, bounds, row, post, cpu.NATIVE_BM, cpu_tiles.BN, bf16, o, m, log_l)
@@ -422,35 +429,6 @@ def test_a_sequence_gets_the_same_bits_whatever_it_is_packed_with(dtype, product
         rows, got = run(alone)
         where = torch.searchsorted(rows_all, rows)
         assert all(torch.equal(a, b[where]) for a, b in zip(got, packed)), alone
-
-
-@pytest.mark.skipif(not COMPILER, reason="no C++ compiler")
-def test_the_compiled_sink_join_is_the_formula_of_sinkattn_sink_on_every_kind_of_row(kernel):
-    """``cpu.join_sink`` against ``sink.with_sink`` and ``lse_of`` on rows of every kind: ordinary, without
-    keys, one-hot (``log_l`` 0), and each of m and the sink +-inf or NaN: the same special values in the
-    same places, the finite ones within a few ulp (the two ``exp`` differ in their last bit)."""
-    from sinkattn import sink
-    from sinkattn.backends import cpu
-    kernel("compiled")
-    inf, nan = float("inf"), float("nan")
-    g = torch.Generator().manual_seed(5)
-    HQ, T, Dv = 6, 40, 8
-    sinks = torch.tensor([0.5, -3.0, inf, -inf, nan, 80.0])
-    m = torch.randn(HQ, T, generator=g) * 20
-    log_l = torch.rand(HQ, T, generator=g) * 5
-    m[:, :4] = torch.tensor([inf, -inf, nan, 0.0])
-    log_l[:, 1] = -inf                                      # no keys (m = -inf, l = 0)
-    log_l[:, 4] = 0.0                                       # one-hot
-    m[:, 5], log_l[:, 5] = -inf, -inf
-    o = torch.randn(T, HQ, Dv, generator=g)
-    want_o, want = sink.with_sink(o.clone(), sink.Stats(m.clone(), log_l.clone()), sinks)
-    got_o = o.clone()
-    got, lse = cpu.join_sink(got_o, sink.Stats(m.clone(), log_l.clone()), sinks)
-    for a, b in [(got_o, want_o), (got.m, want.m), (got.log_l, want.log_l), (lse, sink.lse_of(want))]:
-        special = ~torch.isfinite(b)
-        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[special & ~torch.isnan(b)],
-                                                                          b[special & ~torch.isnan(b)])
-        torch.testing.assert_close(a[~special], b[~special], rtol=4 * 2**-23, atol=1e-30)
 
 
 def test_processes_building_at_once_each_install_and_load_a_whole_library(built_library, tmp_path):

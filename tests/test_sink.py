@@ -43,11 +43,11 @@ def _packed_with_keyless_rows(dtype, seed: int):
 
 def _keyless(cu_q, cu_k, window) -> torch.Tensor:
     """bool ``[Tq]``: the query tokens that see no key (from ``sinkattn.masks``, the mask rule)."""
-    from sinkattn import masks
+    from sinkattn.masks import Window
     rows = []
     for b in range(cu_q.numel() - 1):
         Lq, Lk = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
-        lo, hi = masks.row_key_bounds(torch.arange(Lq), Lq, Lk, *window)
+        lo, hi = Window(*window).key_bounds(torch.arange(Lq), Lq, Lk)
         rows.append(hi <= lo)
     return torch.cat(rows)
 
@@ -121,10 +121,13 @@ def test_keyless_rows_of_a_dense_inference_call(kernel, shape, sink_value):
 
 
 def _stats_with_keyless_rows(T: int, g):
-    """Statistics over keys ``[HQ, T]`` as backends leave them: rows with keys (``m`` finite, ``log_l >= 0``),
-    rows without (``log_l = -inf`` and ``m`` whatever the backend wrote: 0, -inf or a stale value)."""
+    """Statistics over keys ``[HQ, T]`` as backends leave them: rows with keys (``m`` finite, ``log_l >= 0``;
+    one-hot rows with ``log_l = 0``; a few with ``m`` +inf, -inf or NaN, as a non-finite score gives), rows
+    without (``log_l = -inf`` and ``m`` whatever the backend wrote: 0, -inf or a stale value)."""
     m = torch.randn(HQ, T, generator=g) * 30
     log_l = torch.rand(HQ, T, generator=g) * 5
+    log_l[:, 1::7] = 0.0
+    m[:, 2::9] = torch.tensor([math.inf, -math.inf, math.nan, 0.0]).repeat(HQ, T)[:, :m[:, 2::9].shape[1]]
     keyless = torch.rand(HQ, T, generator=g) < 0.3
     log_l[keyless] = -math.inf
     m[keyless] = torch.tensor([0.0, -math.inf, 17.0])[torch.randint(3, (int(keyless.sum()),), generator=g)]

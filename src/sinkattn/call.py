@@ -47,7 +47,8 @@ def settle(q, k, v, sinks, softmax_scale, causal, window_size, backend, return_l
     no more than it, and then fits the op's int64); None: a dense call's, its lengths. Reads shapes and
     Python values only, so it traces without a graph break."""
     autodiff.refuse_unsupported(q, k, v, sinks)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+        sinks is not None and sinks.requires_grad))
     request = backends.Request(q.device.type, q.dtype, q.shape[-1], needs_grad, v.shape[-1])
     name = _choose(backend, request) if type(backend) is str else backends.choose(backend, request)
     window = Window.of(validation.as_bool("causal", causal), window_size)

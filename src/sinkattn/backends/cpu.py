@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
-from .. import masks, sink
+from .. import sink
+from ..masks import Window
 from . import buffers, cpu_fused, cpu_native, cpu_small, cpu_tiles, layout, nonfinite
 from .capabilities import Capabilities
+from .layout import Sequences
 from .protocol import Final, Gradients, Partial
 from .scores import MAX_SCORE, check_fp32_range, loose_bound, norms, score_bound
 
@@ -66,21 +69,64 @@ def _scales(softmax_scale: float) -> tuple[float, float]:
     return (1.0 if row is None else row), (1.0 if score is None else score)
 
 
-def _sequences(batch, window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The compiled kernel's view of the call's sequences: ``cu_seqlens_q``, ``cu_seqlens_k`` int64 and
-    ``[Tq, 2]`` int64, the keys ``[lo, hi)`` of its own sequence that each query token sees (``masks``).
-    Kept for the last few layouts: a model's layers, and a call's backward, share one."""
-    return _sequences_of(tuple(batch.cu_seqlens_q.tolist()), tuple(batch.cu_seqlens_k.tolist()), tuple(window))
+class _Native(NamedTuple):
+    """How a packed call reaches the compiled kernel: the kernel's view of its sequences (``cu_q``, ``cu_k``
+    int64 ``[N+1]``, ``bounds`` int64 ``[T, 2]``: the keys ``[lo, hi)`` of its own sequence each query token
+    sees, ``sinkattn.masks``), and the short sequences ``cpu_small`` takes instead (``small``, or None).
+    With short sequences the kernel gets the others only, gathered: query tokens ``rows_q``, key tokens
+    ``rows_k`` (None: the whole call, nothing gathered)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    bounds: torch.Tensor
+    small: Sequences | None = None
+    rows_q: torch.Tensor | None = None
+    rows_k: torch.Tensor | None = None
+
+    @property
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.cu_q, self.cu_k, self.bounds
+
+    @property
+    def nothing(self) -> bool:
+        """No sequence left for the kernel (every one is short)."""
+        return self.cu_q.numel() == 1
+
+
+def _native(batch, window: Window, HQ: int) -> _Native:
+    """The kernel's part of the call (``_Native``). A short sequence (``cpu_small.takes``: at most
+    ``cpu_small.SHORT_LENGTH`` queries and keys) goes to ``cpu_small`` whatever it is packed with, many per
+    tile (one kernel task each would cost far more than its attention), so a sequence's results depend on its
+    own inputs only. Kept for the last few layouts: a model's layers, and a call's backward, share one."""
+    return _native_of(tuple(batch.cu_seqlens_q.tolist()), tuple(batch.cu_seqlens_k.tolist()), window, HQ)
 
 
 @functools.lru_cache(maxsize=8)
-def _sequences_of(cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...], window: tuple[int, int]):
+def _native_of(cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...], window: Window, HQ: int):
     cu_q, cu_k = torch.tensor(cu_seqlens_q, dtype=torch.int64), torch.tensor(cu_seqlens_k, dtype=torch.int64)
     Tq = cu_seqlens_q[-1]
     Lq, Lk = cu_q.diff(), cu_k.diff()
     seq = torch.repeat_interleave(torch.arange(Lq.numel()), Lq, output_size=Tq)
-    lo, hi = masks.row_key_bounds(torch.arange(Tq) - cu_q[seq], Lq[seq], Lk[seq], *window)
-    return cu_q, cu_k, torch.stack((lo, hi), 1)
+    lo, hi = window.key_bounds(torch.arange(Tq) - cu_q[seq], Lq[seq], Lk[seq])
+    bounds = torch.stack((lo, hi), 1)
+    short = (Lq > 0) & cpu_small.takes(Lq, Lk, HQ)
+    if not bool(short.any()):
+        return _Native(cu_q, cu_k, bounds)
+    index = short.nonzero().flatten()
+    small = Sequences(cu_q[:-1][index], cu_k[:-1][index], Lq[index], Lk[index])
+    rest = (~short).nonzero().flatten()
+    rows_q = layout.token_ranges(cu_q[:-1][rest], Lq[rest])
+    rows_k = layout.token_ranges(cu_k[:-1][rest], Lk[rest])
+    zero = torch.zeros(1, dtype=torch.int64)
+    return _Native(torch.cat([zero, Lq[rest].cumsum(0)]), torch.cat([zero, Lk[rest].cumsum(0)]), bounds[rows_q],
+                   small, rows_q, rows_k)
+
+
+def _rows(x: torch.Tensor | None, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
+    """``x``'s tokens ``rows`` (along ``dim``), contiguous; all of ``x`` where ``rows`` is None."""
+    if x is None:
+        return None
+    return (x if rows is None else x.index_select(dim, rows)).contiguous()
 
 
 def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> layout.Split:
@@ -94,9 +140,15 @@ kernel (``forward_small``): a fused-attention library call costs more than its a
 
 
 @functools.lru_cache(maxsize=64)
-def _row_bounds(Lq: int, Lk: int, window) -> torch.Tensor:
+def _row_bounds(Lq: int, Lk: int, window: Window) -> torch.Tensor:
     """int64 ``[Lq, 2]``: the keys ``[lo, hi)`` each query row of a sequence sees (``sinkattn.masks``)."""
-    return torch.stack(masks.row_key_bounds(torch.arange(Lq), Lq, Lk, *window), 1)
+    return torch.stack(window.key_bounds(torch.arange(Lq), Lq, Lk), 1)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 with its last dim contiguous (the compiled kernel's rows), any other strides."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _dense_ok(q, k, o, lse_keys, softmax_scale: float) -> bool:
@@ -121,16 +173,16 @@ def forward_dense(q, k, v, sinks, window, softmax_scale):
     if Sq <= SMALL_ROWS and B > 0:
         native = cpu_native.load(chosen=chosen)
         if native is not None:
-            q32, k32, v32 = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+            q32, k32, v32 = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
             done = native.forward_small(q32, k32, v32, _row_bounds(Sq, k.shape[1], window), sinks, softmax_scale,
                                         MAX_SCORE, buffers.poisoning())
             return Final(done[0], sink.Stats(done[1], done[2]), done[3]) if done else None
     if v.shape[-1] != q.shape[-1] or B == 0 or softmax_scale <= 0:        # the fused kernel takes one head dim
         return None
-    part = cpu_fused.single_part(Sq, k.shape[1], *window)
+    part = cpu_fused.single_part(Sq, k.shape[1], window)
     if part is None:
         return None
-    q32, k32, v32 = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (q, k, v))
+    q32, k32, v32 = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)
     o, lse_keys = cpu_fused.forward_heads_first(q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2),
                                                 part, softmax_scale)                # [B, HQ, Sq, D], [B, HQ, Sq]
     o = o.transpose(1, 2)                                                             # [B, Sq, HQ, D]
@@ -167,9 +219,22 @@ def forward(q, k, v, batch, window, softmax_scale, for_backward):
     # the fused kernel masks before it scales, and takes one head dim (Dv = D)
     native = None if literal else cpu_native.load()
     if native is not None and (for_backward or softmax_scale <= 0 or v.shape[2] != D):
-        native.forward(q32.contiguous(), k32.contiguous(), v32.contiguous(), *_sequences(batch, window),
-                       *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, cpu_native.bf16_products(q, k, v), out, m,
-                       log_l)
+        plan = _native(batch, window, HQ)
+        if not plan.nothing:
+            rows_q, rows_k = plan.rows_q, plan.rows_k
+            whole = rows_q is None
+            o_n, m_n, l_n = (out, m, log_l) if whole else (
+                buffers.new((rows_q.numel(), HQ, v.shape[2]), torch.float32, q.device),
+                *(buffers.new((HQ, rows_q.numel()), torch.float32, q.device) for _ in range(2)))
+            native.forward(_rows(q32, rows_q), _rows(k32, rows_k), _rows(v32, rows_k), *plan.sequences,
+                           *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, cpu_native.bf16_products(q, k, v), o_n,
+                           m_n, l_n)
+            if not whole:
+                out.index_copy_(0, rows_q, o_n)
+                m.index_copy_(1, rows_q, m_n)
+                log_l.index_copy_(1, rows_q, l_n)
+        if plan.small is not None:
+            cpu_small.forward(q32, k32, v32, plan.small, out, m, log_l, softmax_scale, window)
         return Partial(out, sink.Stats(m, log_l))
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, HQ)
     if not for_backward and not literal and softmax_scale > 0 and v.shape[2] == D:
@@ -196,6 +261,11 @@ def join_sink(o, stats, sinks):
     return Final(o, sink.Stats(m, log_l), lse)
 
 
+def _inverse_l(stats: sink.Stats) -> torch.Tensor:
+    """``1 / l`` of the final statistics, 0 where ``l = 0`` (no key and no sink: ``P = 0``)."""
+    return torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))
+
+
 def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scale, partial):
     """``do [Tq, HQ, D]``, ``dlse [HQ, Tq]`` or None, the forward's inputs, the final fp32 ``o`` and
     ``stats`` -> ``(dq, dk, dv)`` fp32 and ``delta [HQ, Tq]``. The tiles are the forward's. ``Delta`` is
@@ -209,20 +279,35 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     dv = buffers.new(v.shape, torch.float32, q.device)
     native = None if literal else cpu_native.load()
     if native is not None:
-        none = q32.new_empty(0)
+        plan = _native(batch, window, q.shape[1])
+        rows_q, rows_k = plan.rows_q, plan.rows_k
+        whole = rows_q is None
         # the kernel sums Delta of every row itself unless the call holds only some of its keys
         delta = sink.row_delta(do32, o, dlse).contiguous() if partial else buffers.new(stats.m.shape, torch.float32,
                                                                                          q.device)
-        native.backward(do32.contiguous(), q32.contiguous(), k32.contiguous(), v32.contiguous(),
-                        stats.m.contiguous(), stats.log_l.contiguous(), delta,
-                        none if dlse is None else dlse.float().contiguous(),
-                        none if sink_mass is None else sink_mass.float().contiguous(),
-                        *_sequences(batch, window), *_scales(softmax_scale), softmax_scale, not partial,
-                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do),
-                        BACKWARD_SPLIT, dq, dk, dv)
+        if not plan.nothing:
+            none = q32.new_empty(0)
+            dlse_n, mass_n = (none if x is None else _rows(x.float(), rows_q, 1) for x in (dlse, sink_mass))
+            delta_n = delta if whole else _rows(delta, rows_q, 1)
+            dq_n, dk_n, dv_n = (dq, dk, dv) if whole else (
+                buffers.new((rows_q.numel(), *q.shape[1:]), torch.float32, q.device),
+                *(buffers.new((rows_k.numel(), *x.shape[1:]), torch.float32, q.device) for x in (k, v)))
+            native.backward(_rows(do32, rows_q), _rows(q32, rows_q), _rows(k32, rows_k), _rows(v32, rows_k),
+                            _rows(stats.m, rows_q, 1), _rows(stats.log_l, rows_q, 1), delta_n, dlse_n, mass_n,
+                            *plan.sequences, *_scales(softmax_scale), softmax_scale, not partial,
+                            NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do),
+                            BACKWARD_SPLIT, dq_n, dk_n, dv_n)
+            if not whole:
+                dq.index_copy_(0, rows_q, dq_n)
+                dk.index_copy_(0, rows_k, dk_n)
+                dv.index_copy_(0, rows_k, dv_n)
+                delta.index_copy_(1, rows_q, delta_n)
+        if plan.small is not None:
+            cpu_small.backward(do32, q32, k32, v32, stats.m, _inverse_l(stats), delta, dlse, sink_mass, plan.small,
+                               dq, dk, dv, softmax_scale, window, exact=not partial)
         return Gradients(dq, dk, dv, delta)
     delta = sink.row_delta(do32, o, dlse)
-    inv_l = torch.where(stats.log_l == _NEG_INF, 0.0, torch.exp(-stats.log_l))    # no key and no sink: P = 0
+    inv_l = _inverse_l(stats)
     parts = split(batch.cu_seqlens_q, batch.cu_seqlens_k, q.shape[1])
     for path, sequences in ((cpu_tiles, parts.runs), (cpu_small, parts.small)):
         path.backward(do32, q32, k32, v32, stats.m, inv_l, delta, dlse, sink_mass, sequences, dq, dk, dv,

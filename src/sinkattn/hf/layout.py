@@ -10,6 +10,7 @@ flattened rows (``0 .. B*S - 1``) go where and where each sequence starts:
     max_q, max_k  int       bounds of the longest sequence (the varlen API's max_seqlen)
     contiguous  bool        every row's real keys are one run of columns (no padding inside);
                             computed by ``exact`` only (``key_mask`` checks it for traced calls)
+    all_real    bool        every key is real (no padding at all); ``exact`` only
 
 The sequences: every row's real tokens (the key mask's True columns; all columns without a
 mask), split where ``position_ids`` restarts at 0 (Hugging Face's padding-free packing, honoured
@@ -53,6 +54,7 @@ class Layout:
     max_q: int
     max_k: int
     contiguous: bool = True
+    all_real: bool = False
 
     @property
     def sequences(self) -> int:
@@ -131,9 +133,10 @@ def exact(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, 
         cu_k, cu_q = _cu(real.sum(-1, dtype=torch.int32)), _cu(real[:, Sk - Sq:].sum(-1, dtype=torch.int32))
         index_q = torch.nonzero(real[:, Sk - Sq:].reshape(-1)).reshape(-1) if mask is not None else None
     zero = cu_k.new_zeros(1)
-    max_q, max_k, contiguous = torch.stack([torch.cat([zero, cu_q.diff()]).max(), torch.cat([zero, cu_k.diff()]).max(),
-                                            one_run(real).to(torch.int32)]).tolist()
-    return Layout(index_q, index_k, cu_q, cu_k, max_q, max_k, bool(contiguous))
+    max_q, max_k, contiguous, all_real = torch.stack([
+        torch.cat([zero, cu_q.diff()]).max(), torch.cat([zero, cu_k.diff()]).max(), one_run(real).to(torch.int32),
+        real.all().to(torch.int32)]).tolist()
+    return Layout(index_q, index_k, cu_q, cu_k, max_q, max_k, bool(contiguous), bool(all_real))
 
 
 def fixed(mask: torch.Tensor | None, position_ids: torch.Tensor | None, B: int, Sq: int, Sk: int,
@@ -180,11 +183,11 @@ def memoized(build, tensors: tuple, *extra):
     their host read-back to one per pass. Not used under ``torch.compile`` tracing.
     """
     key = (build, *(id(t) for t in tensors), *extra)
-    state = tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
     hit = _MEMO.get(key)
     if hit is not None and all(h is None if t is None else (h[0]() is t and h[1] == t._version)
                                for h, t in zip(hit[0], tensors)):
         return hit[1]
+    state = tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
     value = build(*tensors, *extra)
     if len(_MEMO) >= _MEMO_SIZE:
         _MEMO.pop(next(iter(_MEMO)))
