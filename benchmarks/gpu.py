@@ -281,14 +281,14 @@ def _sweep_plans(p: bench.Problem, chip, device: str) -> dict:
     scale = p.D ** -0.5
     out, (m2, log2_l) = sink.with_sink(*triton_backend.forward(q, k, v, Batch(cu, cu, L, L), window, scale, True),
                                        sinks, base2=True)
-    lse = torch.empty_like(m2)
+    out_keys, m2_keys, log2_l_keys = torch.empty_like(out), torch.empty_like(m2), torch.empty_like(m2)  # fwd's own
     do = torch.randn_like(q)
-    delta = torch.empty_like(lse)
+    delta = torch.empty_like(m2)
     launch.delta(out, do, None, delta, chip)()
     dq, dk, dv = torch.empty_like(out), torch.empty(k.shape, device=device), torch.empty(v.shape, device=device)
     opts = dict(chip=chip, compensated=triton_backend.COMPENSATED, upcast=triton_backend._upcast(q.dtype))
     common = (cu, cu, scale, window, L)
-    return {"fwd": lambda b: launch.forward(q, k, v, sinks.float(), out, lse, m2, log2_l, *common, **opts, blocks=b),
+    return {"fwd": lambda b: launch.forward(q, k, v, out_keys, m2_keys, log2_l_keys, *common, **opts, blocks=b),
             "dq": lambda b: launch.dq(q, k, v, do, m2, log2_l, None, delta, dq, *common, **opts,
                                       exact=torch.zeros(1, dtype=torch.int32, device=device), exact_delta=False,
                                       blocks=b),

@@ -1,11 +1,13 @@
 """The sink's rule (``sinkattn.sink``) as properties, on every CPU path, and the compiled kernel's copy of
-the join held to it.
+the join held to it; every backend declares exactly the optional parts it implements (``backends.protocol``),
+so no backend keeps a join of its own that the dispatcher never calls.
 
 A row that sees no key has ``o = 0`` and ``lse = sink`` exactly, whatever the sink's size: the sink is then
 the row's only term. A sink far below the scores (``-1e4``) must not underflow into ``lse = -inf`` on those
 rows, and its gradient collects their ``dlse``.
 """
 
+import inspect
 import math
 
 import pytest
@@ -14,8 +16,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import sinkattn
-from sinkattn import sink
-from sinkattn.backends import cpu_native
+from sinkattn import backends, sink
+from sinkattn.backends import cpu_native, protocol
 from sinkattn.testing import precision
 
 HQ, HKV, D = 4, 2, 8
@@ -165,3 +167,76 @@ def test_the_compiled_join_is_the_python_rule(sink_values, seed, special):
     rows = keyless & torch.isfinite(sinks)[:, None]
     for lse in (got_lse, want_lse):
         assert torch.equal(lse[rows], sinks[:, None].expand(HQ, T)[rows])
+
+
+def _load(name: str):
+    try:
+        return backends.load(name)
+    except NotImplementedError as exc:           # triton not installed
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("name", backends.NAMES)
+@pytest.mark.parametrize("for_backward", [True, False], ids=["train", "infer"])
+@pytest.mark.parametrize("window", [(-1, 0), (2, 1)], ids=["causal", "two-sided"])
+def test_every_backend_forward_leaves_keyless_rows_to_the_sink(name, for_backward, window):
+    """The protocol's forward over keys, without the sink, straight from each backend (NaN-poisoned buffers, so
+    an unwritten element fails): a row that sees no key has ``o = 0`` and ``log_l = -inf`` exactly, and
+    ``with_sink`` then gives it ``lse = sink`` and ``o = 0``; the other rows are finite. No backend joins a sink
+    of its own in ``forward`` (it is not handed one). (Statistics in base 2 carry the sink as ``sink log2(e)``
+    in fp32: its ``lse`` comes back within an ulp of the sink, not bit for bit.)"""
+    from sinkattn import masks
+    from sinkattn.backends import buffers
+    from sinkattn.backends.capabilities import Batch
+
+    impl = _load(name)
+    q, k, v, cu_q, cu_k, mq, mk, _ = _packed_with_keyless_rows(torch.float16, seed=1)
+    win = masks.Window.of(window[1] == 0, window).folded(mq, mk)
+    with buffers.poisoned():
+        o, stats = impl.forward(q, k, v, Batch(cu_q, cu_k, mq, mk), win, D ** -0.5, for_backward)
+    keyless = _keyless(cu_q, cu_k, window)
+    assert keyless.any() and not keyless.all()
+    assert torch.equal(o[keyless], torch.zeros_like(o[keyless]))
+    assert (stats.log_l[:, keyless] == -math.inf).all()
+    assert torch.isfinite(o[~keyless]).all() and torch.isfinite(stats.log_l[:, ~keyless]).all()
+    sinks = torch.tensor([-1e4, -100.0, 0.0, 30.0])
+    joined_o, joined = sink.with_sink(o.float(), sink.Stats(stats.m.float(), stats.log_l.float()), sinks,
+                                      impl.CAPABILITIES.base2)
+    lse = sink.lse_of(joined, impl.CAPABILITIES.base2)
+    torch.testing.assert_close(lse[:, keyless], sinks[:, None].expand(HQ, int(keyless.sum())),
+                               rtol=2**-23 if impl.CAPABILITIES.base2 else 0.0, atol=0.0)
+    assert torch.equal(joined_o[keyless], torch.zeros_like(joined_o[keyless]))
+
+
+OPTIONAL_PARTS = [("dense", protocol.DenseForward), ("joins_sink", protocol.SinkJoin)]
+
+
+def _parameters(function) -> list[str]:
+    return [name for name in inspect.signature(function).parameters if name != "self"]
+
+
+def _protocol_methods(proto) -> list[str]:
+    return [name for name, member in vars(proto).items() if inspect.isfunction(member) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("name", backends.NAMES)
+def test_a_backend_declares_what_it_implements_and_implements_what_it_declares(name):
+    """``Backend`` whole, and each optional part (``forward_dense``, ``join_sink``) present exactly when
+    ``CAPABILITIES`` declares it (``dense``, ``joins_sink``): ``sinkattn.ops`` calls an optional part only when
+    it is declared, so an undeclared one is dormant code (a second, untested copy of the sink's rule, say), and
+    a declared one that is missing fails at the first call. Every method takes the protocol's arguments, by the
+    protocol's names: a backend's forward takes no sinks (the sink joins in ``sinkattn.sink``, or in
+    ``join_sink``)."""
+    impl = _load(name)
+    assert isinstance(impl, protocol.Backend), f"{name} lacks part of the Backend protocol"
+    caps = impl.CAPABILITIES
+    assert caps.name == name
+    implemented = [protocol.Backend] + [proto for flag, proto in OPTIONAL_PARTS if isinstance(impl, proto)]
+    for flag, proto in OPTIONAL_PARTS:
+        declared, present = getattr(caps, flag), isinstance(impl, proto)
+        assert declared == present, (f"backend {name!r} declares {flag}={declared} but "
+                                     f"{'implements' if present else 'lacks'} {_protocol_methods(proto)}")
+    for proto in implemented:
+        for method in _protocol_methods(proto):
+            got, want = _parameters(getattr(impl, method)), _parameters(getattr(proto, method))
+            assert got == want, f"backend {name!r}: {method}{tuple(got)}, the protocol's is {method}{tuple(want)}"

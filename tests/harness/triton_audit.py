@@ -118,23 +118,22 @@ def _example(cfg: Config):
     k, v = torch.zeros(T, HKV, D, dtype=dt), torch.zeros(T, HKV, D, dtype=dt)
     cu = torch.arange(0, T + 1, T // N, dtype=torch.int32)
     f32 = dict(dtype=torch.float32)
-    stats = [torch.zeros(HQ, T, **f32) for _ in range(4)]          # lse / m2 / log2_l / delta
+    stats = [torch.zeros(HQ, T, **f32) for _ in range(3)]          # m2 / log2_l / delta
     dlse = torch.zeros(HQ, T, **f32) if cfg.dlse else None
     out = torch.zeros(T, HQ, D, **f32)
     common = dict(chip=cfg.chip, compensated=cfg.compensated, upcast=False)
     if cfg.tile is not None and cfg.kernel != "delta":
         common["blocks"] = config.Blocks(*cfg.tile)
     if cfg.kernel == "fwd":
-        return launch.forward(q, k, v, torch.zeros(HQ, **f32), out, *stats[:3], cu, cu, D ** -0.5, Window(-1, 0),
-                              T // N, **common)
+        return launch.forward(q, k, v, out, *stats[:2], cu, cu, D ** -0.5, Window(-1, 0), T // N, **common)
     if cfg.kernel == "delta":
-        return launch.delta(out, do, dlse, stats[3], cfg.chip)
-    grads = (q, k, v, do, stats[1], stats[2])
+        return launch.delta(out, do, dlse, stats[2], cfg.chip)
+    grads = (q, k, v, do, stats[0], stats[1])
     if cfg.kernel == "dq":
-        return launch.dq(*grads, dlse, stats[3], out, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common,
+        return launch.dq(*grads, dlse, stats[2], out, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common,
                          exact=torch.zeros(1, dtype=torch.int32), exact_delta=cfg.exact_delta)
     dk, dv = torch.zeros(T, HKV, D, **f32), torch.zeros(T, HKV, D, **f32)
-    return launch.dkdv(*grads, stats[3], dk, dv, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common)
+    return launch.dkdv(*grads, stats[2], dk, dv, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common)
 
 
 def _specialize(plan):

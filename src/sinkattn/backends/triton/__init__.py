@@ -83,11 +83,6 @@ def _upcast(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-def _NO_SINKS(HQ: int, device) -> torch.Tensor:
-    """The kernels' sink vector when the sink joins later (``sinkattn.sink``): ``-inf``, no sink term."""
-    return torch.full((HQ,), float("-inf"), dtype=torch.float32, device=device)
-
-
 def _kernel_layout(*tensors, width: int | None = None) -> list:
     """Contiguous, 16-byte aligned, ``[T, H, D]`` tensors padded with zeros to ``D = BLOCK_D`` (the next
     power of two, at least 16, of ``width``, else of each tensor's own head dim): what the kernels
@@ -131,15 +126,12 @@ def forward(q, k, v, batch, window, softmax_scale, for_backward):
         for kernel in ("dq", "dkdv"):
             config.blocks_for(chip, kernel, BLOCK_D, q.dtype)
     out = buffers.new((Tq, HQ, BLOCK_D), torch.float32, q.device)
-    lse = buffers.new((HQ, Tq), torch.float32, q.device)
     m2 = buffers.new((HQ, Tq), torch.float32, q.device)
     log2_l = buffers.new((HQ, Tq), torch.float32, q.device)
     if N > 0 and Tq > 0:
         max_q = _max_lens(q, k, batch)[0]
-        launch.forward(q, k, v, _NO_SINKS(HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
-                       softmax_scale, window, max_q, chip, _compensated(q.dtype),
-                       _upcast(q.dtype))()
-    log2_l = torch.where(m2 == float("inf"), float("inf"), log2_l)    # a +inf score: lse = +inf (l is NaN)
+        launch.forward(q, k, v, out, m2, log2_l, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, max_q, chip,
+                       _compensated(q.dtype), _upcast(q.dtype))()
     return Partial(_unpadded(out, Dv), sink.Stats(m2, log2_l))
 
 

@@ -3,8 +3,9 @@
 Layouts (packed): ``Q/O/dO [Tq, HQ, BLOCK_D]``, ``K/V [Tk, HKV, BLOCK_D]`` (the head dim padded
 with zeros to ``BLOCK_D``, a power of two, by the launchers), statistics
 ``[HQ, Tq]`` fp32, ``CU_Q/CU_K int32 [N+1]``. Query head ``h`` reads KV head
-``h // G``. Scores run in base 2 (``scale_log2 = softmax_scale * log2(e)``,
-sinks and lse converted at the edges); all statistics and accumulators fp32.
+``h // G``. Scores run in base 2 (``scale_log2 = softmax_scale * log2(e)``, formed by the
+launchers); the statistics stay in base 2 (``sinkattn.sink`` converts them, and joins the sink,
+outside the kernels); all statistics and accumulators fp32.
 
 The mask rule is ``sinkattn.masks`` transcribed: row ``i`` sees keys
 ``lo(i) <= j < hi(i)``, and key ``j`` is seen by rows ``i_lo(j) <= i < i_hi(j)``.
@@ -25,11 +26,6 @@ Three habits of fused-attention kernels shape every kernel here:
 
 import triton
 import triton.language as tl
-
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
-_LN2 = tl.constexpr(LN2)        # the same constants, as kernels may read globals
-_LOG2E = tl.constexpr(LOG2E)
 
 NO_SPECIALIZE = ("left", "right", "G", "GH", "N", "HT", "NB", "chunk", "T", "stride_qt", "stride_qh",
                  "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh", "stride_dot",
@@ -194,21 +190,24 @@ def _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, n, kvh, stride_kt, stride_kh, str
 
 
 @triton.jit(do_not_specialize=NO_SPECIALIZE)
-def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
+def fwd_kernel(Q, K, V, O, M2, L2, CU_Q, CU_K,
                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                stride_lh, scale_log2, left, right, G, GH, N, HT, NB, chunk, CHUNK: tl.constexpr,
                BLOCK_D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PRECISION: tl.constexpr,
                COMPENSATED: tl.constexpr, UPCAST: tl.constexpr):
     """One program: a GQA-packed tile of ``BM`` rows (``BM // GH`` positions of one sequence times
-    ``GH`` query heads sharing a KV head). Online softmax with the sink as the starting maximum:
+    ``GH`` query heads sharing a KV head). The online softmax over the row's visible keys, without
+    the sink (it joins afterwards, ``sinkattn.sink``), ``S = scale_log2 <q, k>`` in base 2:
 
-        m = sink,  l = 1  (m = -inf, l = 0 without a finite sink)
+        m = -inf,  l = 0
         per key block: m' = max(m, rowmax S), l = l 2^(m - m') + sum 2^(S - m'), acc likewise
-        o = acc / l,   lse = (m + log2 l) ln 2
+        o = acc / l   (0 for a row that sees no key: l = 0)
 
-    ``M2 = m`` and ``L2 = log2 l`` (``[HQ, Tq]`` fp32) are kept for the backward, which forms
-    ``P = 2^((S - m) - log2 l)``: ``S - m`` is exact for the row's maximum, so a one-hot row
-    keeps ``P = 1`` however large its scores, which ``2^(S - lse log2 e)`` would not.
+    Writes ``O [Tq, HQ, BLOCK_D]`` fp32 and the statistics ``M2 = m``, ``L2 = log2 l`` (``[HQ, Tq]``
+    fp32): a row that sees no key has ``o = 0``, ``log2 l = -inf`` (and ``m = -inf``); a ``+inf`` score
+    leaves ``l`` NaN, written ``log2 l = +inf`` (the row's ``lse`` is ``+inf``). The backward forms
+    ``P = 2^((S - m) - log2 l)`` from the final statistics: ``S - m`` is exact for the row's maximum,
+    so a one-hot row keeps ``P = 1`` however large its scores, which ``2^(S - lse log2 e)`` would not.
     """
     block, seq, ht = _lpt_program(chunk, N, HT, NB, CHUNK)
     q0, Lq, k0, Lk = _sequence(CU_Q, CU_K, seq)
@@ -217,17 +216,14 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
         return
     d = tl.arange(0, BLOCK_D)
     lo_r, hi_r = _row_key_bounds(pos, Lq, Lk, left, right)                       # [BM]
-    row_has_key = lo_r < hi_r
     p_last = tl.minimum(p0 + PM, Lq) - 1
     lo_any, hi_all = _row_key_bounds(p0, Lq, Lk, left, right)
     lo_all, hi_any = _row_key_bounds(p_last, Lq, Lk, left, right)
     b0, b1, i0, i1 = _block_split(lo_any, hi_any, lo_all, hi_all, BN)
 
     q = _load_rows(Q, q0, pos, Lq, stride_qt, h, stride_qh, d)               # [BM, BLOCK_D]
-    sink = tl.load(SINKS + h).to(tl.float32)                                     # [BM]; -inf: no sinks
-    finite = (sink == sink) & (sink != float("inf")) & (sink != float("-inf"))
-    m_i = tl.where(finite, sink * _LOG2E, float("-inf"))
-    l_i = tl.where(finite, 1.0, 0.0)
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BLOCK_D], tl.float32)
     for n in range(i0 * BN, i1 * BN, BN):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, n, kvh, stride_kt, stride_kh, stride_vt,
@@ -237,22 +233,11 @@ def fwd_kernel(Q, K, V, SINKS, O, LSE, M2, L2, CU_Q, CU_K,
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, K, V, k0, Lk, _cut_block(t, b0, i0, i1) * BN, kvh,
                                    stride_kt, stride_kh, stride_vt, stride_vh, d, lo_r, hi_r, scale_log2, BN,
                                    PRECISION, COMPENSATED, UPCAST, MASKED=True)
-    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = (m_i + tl.log2(l_i)) * _LN2
-    lse = tl.where(m_i == float("inf"), float("inf"), lse)        # a +inf score: l is NaN, lse is +inf
-    # special sinks: +inf takes all the mass; NaN poisons the rows that have keys
-    log2_l = tl.log2(l_i)
-    sink_inf = sink == float("inf")
-    sink_nan = sink != sink
-    o = tl.where(sink_inf[:, None], 0.0, o)
-    lse = tl.where(sink_inf, float("inf"), lse)
-    log2_l = tl.where(sink_inf, float("inf"), log2_l)     # backward: P = 0
-    o = tl.where((row_has_key & sink_nan)[:, None], float("nan"), o)
-    lse = tl.where(sink_nan, float("nan"), lse)
-    log2_l = tl.where(sink_nan, float("nan"), log2_l)
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]                           # no key: o = 0
+    log2_l = tl.log2(l_i)                                                        # no key: -inf
+    log2_l = tl.where(m_i == float("inf"), float("inf"), log2_l)   # a +inf score: l is NaN, lse is +inf
     _store_rows(O, o, q0, pos, Lq, stride_ot, h, stride_oh, d)
     stat = _stat_offsets(h, stride_lh, q0, pos)
-    tl.store(LSE + stat, lse, mask=pos < Lq)
     tl.store(M2 + stat, m_i, mask=pos < Lq)
     tl.store(L2 + stat, log2_l, mask=pos < Lq)
 

@@ -15,12 +15,11 @@ import torch
 import triton
 
 from ...masks import Window
+from ...sink import LOG2E
 from . import kernels
 from .config import Blocks, block_d, blocks_for, pack_heads
 
 __all__ = ["Launch", "forward", "delta", "dq", "dkdv"]
-
-LOG2E = kernels.LOG2E
 
 
 @dataclass
@@ -68,18 +67,18 @@ def _packed_grid(G: int, HKV: int, N: int, max_q: int, b: Blocks) -> dict:
     return dict(G=G, GH=GH, N=N, HT=HKV * (G // GH), NB=triton.cdiv(max_q, b.BM // GH), CHUNK=kernels.CHUNK)
 
 
-def forward(q, k, v, sinks, out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window,
-            max_q, chip, compensated, upcast, blocks: Blocks | None = None) -> Launch:
-    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` fp32 (-inf for none) ->
-    ``out [Tq, HQ, D]``, ``lse``/``m2``/``log2_l [HQ, Tq]`` fp32."""
+def forward(q, k, v, out, m2, log2_l, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window, max_q,
+            chip, compensated, upcast, blocks: Blocks | None = None) -> Launch:
+    """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]`` -> ``out [Tq, HQ, D]``, ``m2``/``log2_l [HQ, Tq]`` fp32:
+    the softmax over the keys, without the sink, and its base-2 statistics (``kernels.fwd_kernel``)."""
     HQ, D = q.shape[1:]
     HKV, N = k.shape[1], cu_seqlens_q.numel() - 1
     b = blocks or blocks_for(chip, "fwd", D, q.dtype)
     grid = _packed_grid(HQ // HKV, HKV, N, max_q, b)
-    args = dict(Q=q, K=k, V=v, SINKS=sinks, O=out, LSE=lse, M2=m2, L2=log2_l, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
+    args = dict(Q=q, K=k, V=v, O=out, M2=m2, L2=log2_l, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
                 stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                 stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-                stride_lh=lse.stride(0), scale_log2=softmax_scale * LOG2E, left=window.left, right=window.right, **grid,
+                stride_lh=m2.stride(0), scale_log2=softmax_scale * LOG2E, left=window.left, right=window.right, **grid,
                 BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))
     return Launch(kernels.fwd_kernel, args, b, programs=grid["NB"] * N * grid["HT"])
 
