@@ -217,7 +217,7 @@ GENERATE_MODEL = dict(
                 max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                 pad_token_id=0, bos_token_id=None, eos_token_id=None),
     qk_gain=8.0, sink_scale=2.0)
-"""The ``tiny`` gpt-oss of ``benchmarks/decode.py`` (``sinkattn.testing.gpt_oss``'s test config, query
+"""The ``tiny`` gpt-oss of ``benchmarks/decode.py`` (``tests/harness/gpt_oss.py``'s test config, query
 and key projections scaled by 8, sinks ``2 * randn``), spelled out so that the child builds it with
 transformers alone."""
 

@@ -24,9 +24,12 @@ takes them where the fused tasks would keep at most half of the threads busy and
 chunks of keys), interleaved. ``--threads`` applies to the processes of section (2) too.
 
 ``--isa avx2`` (or ``avx512``, ``avx512_bf16``, ``default``) reruns the whole script in a process whose
-PyTorch, MKL and oneDNN are held to that instruction set (``sinkattn.testing.isa``): what a CPU without
+PyTorch, MKL and oneDNN are held to that instruction set (``tests/harness/isa.py``): what a CPU without
 AVX-512 (or without its bf16 instructions, or without AMX) runs, timed on this one (on a CPU of that
 level too: the header then records the ceiling). The header records the capability PyTorch took.
+
+The levels come from the test harness, which is not installed with sinkattn: the script puts the
+repository's ``tests`` folder on ``sys.path`` to import ``harness.isa``.
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
-from sinkattn.testing import bench, isa
+from sinkattn.testing import bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the test harness: tests/harness
+from harness import isa  # noqa: E402
 
 
 def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
@@ -54,7 +61,7 @@ def speed(dtype: str, repeats: int, S=2048, HQ=16, HKV=4, D=64):
 _MEMORY_CHILD = """
 import sys
 import torch
-from sinkattn.testing import bench, isa
+from sinkattn.testing import bench
 provider, S, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if threads:
     torch.set_num_threads(threads)

@@ -10,7 +10,7 @@ Same run, inference mode (``torch.no_grad``), fp32; prints medians and ratios, a
   (``scaled_dot_product_attention(enable_gqa=True)``, no sinks) and ``eager`` (gpt-oss's eager
   sink attention, ``sinkattn.testing.eager``). Each sample times ``inner`` back-to-back calls;
   providers are interleaved sample by sample. Target: sinkattn <= 5x sdpa per call.
-* ``generate``: greedy ``generate`` of a random gpt-oss (``sinkattn.testing.gpt_oss``) with
+* ``generate``: greedy ``generate`` of a random gpt-oss (``tests/harness/gpt_oss.py``) with
   ``attn_implementation="sinkattn"`` against ``"eager"``, one model switched between the two, for each
   model of ``MODELS``:
   ``tiny`` (the test config: 4 layers, sliding window 8 on two of them, HQ=4, HKV=2, D=16, hidden
@@ -25,19 +25,26 @@ Same run, inference mode (``torch.no_grad``), fp32; prints medians and ratios, a
 
 Times are wall-clock medians; ``cpu`` columns give the process CPU time of the same samples,
 which moves less when other programs share the machine.
+
+The model comes from the test harness (``tests/harness/gpt_oss.py``), which is not installed with
+sinkattn: the script puts the repository's ``tests`` folder on ``sys.path`` to import it.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from sinkattn import sink_attn_func
 from sinkattn.testing import bench, eager
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the test harness: tests/harness
 
 HQ, HKV, D = 16, 2, 64
 
@@ -92,7 +99,7 @@ def model(kind: str, quick: bool = False):
     attention implementations it is timed with, sinkattn's first. One model serves both, switched with
     ``set_attn_implementation``: same weights in the same memory (a step streams all of them)."""
     import sinkattn.hf
-    from sinkattn.testing import gpt_oss
+    from harness import gpt_oss
 
     name = sinkattn.hf.register()
     spec = MODELS[kind]

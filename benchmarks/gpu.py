@@ -120,11 +120,11 @@ def environment(device: str) -> dict:
 def block_counts(report: Report, problems: dict) -> None:
     """Masked (cut) and unmasked (interior) tile-block pairs per kernel, for every chip's table."""
     for name, p in problems.items():
-        left, right = masks.Window.of(p.causal, p.window)
+        window = masks.Window.of(p.causal, p.window)
         for chip in config.CHIPS:
             for kernel in config.KERNELS:
                 blocks = config.blocks_for(chip, kernel, p.D, p.torch_dtype)
-                c = schedule.count_blocks(kernel, p.seq_lens, p.seq_lens, left, right, blocks, p.HQ, p.HKV)
+                c = schedule.count_blocks(kernel, p.seq_lens, p.seq_lens, window, blocks, p.HQ, p.HKV)
                 report.add("blocks", dict(problem=name, chip=chip, kernel=kernel, tile=list(vars(blocks).values()),
                                           interior=c.interior, cut=c.cut, interior_share=round(c.interior_share, 4)))
         sm90 = [r for r in report.data["blocks"] if r["problem"] == name and r["chip"] == "sm90"]
@@ -278,7 +278,6 @@ def _sweep_plans(p: bench.Problem, chip, device: str) -> dict:
     cu = torch.tensor([0, *torch.tensor(p.seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     L = max(p.seq_lens)
     window = masks.Window.of(p.causal, p.window).folded(L, L)
-    left, right = window
     scale = p.D ** -0.5
     out, (m2, log2_l) = sink.with_sink(*triton_backend.forward(q, k, v, Batch(cu, cu, L, L), window, scale, True),
                                        sinks, base2=True)
@@ -288,7 +287,7 @@ def _sweep_plans(p: bench.Problem, chip, device: str) -> dict:
     launch.delta(out, do, None, delta, chip)()
     dq, dk, dv = torch.empty_like(out), torch.empty(k.shape, device=device), torch.empty(v.shape, device=device)
     opts = dict(chip=chip, compensated=triton_backend.COMPENSATED, upcast=triton_backend._upcast(q.dtype))
-    common = (cu, cu, scale, left, right, L)
+    common = (cu, cu, scale, window, L)
     return {"fwd": lambda b: launch.forward(q, k, v, sinks.float(), out, lse, m2, log2_l, *common, **opts, blocks=b),
             "dq": lambda b: launch.dq(q, k, v, do, m2, log2_l, None, delta, dq, *common, **opts,
                                       exact=torch.zeros(1, dtype=torch.int32, device=device), exact_delta=False,

@@ -18,6 +18,9 @@ sequences apart), materializing [16, 4096, 4096] fp32 scores per layer. sinkattn
 4 x 4096 tokens, where eager is not run (its scores alone would be 16 GiB per tensor per layer).
 ``--threads`` applies to every fresh process (each row records its own thread count). Prints
 figures and ratios; asserts nothing.
+
+The model comes from the test harness (``tests/harness/gpt_oss.py``), which is not installed with
+sinkattn: the script puts the repository's ``tests`` folder on ``sys.path`` to import it.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from sinkattn.testing import bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the test harness: tests/harness
 
 MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=16, num_key_value_heads=4, head_dim=64, sliding_window=128,
@@ -43,7 +49,7 @@ def _step_fn(impl: str, n_seqs: int, seq_len: int, config: dict):
     from transformers import DataCollatorWithFlattening
 
     import sinkattn.hf
-    from sinkattn.testing import gpt_oss
+    from harness import gpt_oss
 
     name = sinkattn.hf.register() if impl == "sinkattn" else impl
     cfg = gpt_oss.config(**config, max_position_embeddings=max(4096, seq_len))

@@ -28,9 +28,11 @@ import torch
 
 from sinkattn import sink_attn_varlen_func
 from sinkattn.backends import cpu_small
+from sinkattn.masks import Window
 from sinkattn.testing import bench, flops
 
 HQ, HKV, D = 8, 2, 64
+CAUSAL = Window(-1, 0)
 
 
 def uniform_between(lo: int, hi: int, tokens: int, seed: int) -> list[int]:
@@ -87,7 +89,7 @@ def compare(section: str, batches: dict[str, list[int]], repeats: int, modes=("f
     for mode in modes:
         seconds = bench.time_interleaved({name: _step(lens, mode) for name, lens in batches.items()}, repeats)
         for name, lens in batches.items():
-            pairs = flops.visible_pairs(lens, lens, -1, 0)
+            pairs = flops.visible_pairs(lens, lens, CAUSAL)
             rows.append(dict(section=section, batch=name, mode=mode, sequences=len(lens),
                              nonempty=sum(1 for L in lens if L), tokens=sum(lens), longest=max(lens),
                              visible_pairs=pairs, seconds=seconds[name], ns_per_pair=seconds[name] / pairs * 1e9))
@@ -110,10 +112,10 @@ def threshold(lengths, repeats, tokens=4096) -> list[dict]:
                 cpu_small.SHORT_LENGTH = saved
         steps[f"L={L} one call each"] = unbatched
     seconds = bench.time_interleaved(steps, repeats)
-    per_pair = seconds["uniform 1024"] / flops.visible_pairs(uniform, uniform, -1, 0)
+    per_pair = seconds["uniform 1024"] / flops.visible_pairs(uniform, uniform, CAUSAL)
     rows = []
     for L, lens in batches.items():
-        pairs = flops.visible_pairs(lens, lens, -1, 0)
+        pairs = flops.visible_pairs(lens, lens, CAUSAL)
         rows.append(dict(section="threshold", L=L, sequences=len(lens), visible_pairs=pairs,
                          batched=seconds[f"L={L} batched"] / pairs / per_pair,
                          one_call_each=seconds[f"L={L} one call each"] / pairs / per_pair))

@@ -21,6 +21,9 @@ backward) minus RSS before it (CUDA: the allocator's peak), in a process with
 MALLOC_MMAP_THRESHOLD_=65536 as in benchmarks/hf.py. The first step's loss of each is printed:
 the same tokens are scored, so they agree to bf16 rounding. ``--threads`` applies to every fresh
 process (each row records its own thread count). Prints figures and ratios; asserts nothing.
+
+The model and the data come from the test harness (``tests/harness/gpt_oss.py``, ``training.py``), which
+is not installed with sinkattn: the script puts the repository's ``tests`` folder on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from hf import MODEL  # benchmarks/hf.py: the same model
 
 from sinkattn.testing import bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # the test harness: tests/harness
 
 LENGTHS = [1000, 830, 700, 610, 420, 300, 236]
 QUICK_LENGTHS = [120, 90, 64, 40, 30]
@@ -51,7 +57,7 @@ def _trainer(impl: str, lengths: list[int], steps: int, device: str, folder: str
     from trl.data_utils import pack_dataset
 
     import sinkattn.hf
-    from sinkattn.testing import gpt_oss, training
+    from harness import gpt_oss, training
 
     datasets.disable_progress_bars()
     packed = impl == "sinkattn"

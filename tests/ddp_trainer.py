@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments  # noqa: E402
 
 import sinkattn.hf  # noqa: E402
-from sinkattn.testing import gpt_oss, training  # noqa: E402
+from harness import gpt_oss, training  # noqa: E402
 
 LENGTHS = [23, 9, 31, 17]     # the global batch: rank r takes two of them
 

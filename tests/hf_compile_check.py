@@ -6,7 +6,7 @@ model run without compile and checked for graph breaks:
                sort, search and scatter lowered by inductor), forward and backward (logits and
                every parameter gradient); then ``families`` of the sink families named after it
     families   ``families NAME[:dense|:right-padded]...``: a training step of each family's tiny model
-               (``sinkattn.testing.families``) through inductor against eager mode, and no graph
+               (``harness.families``) through inductor against eager mode, and no graph
                break in sinkattn's code
     loop       15 calls mixing the layouts (dense, padded, packed by cu_seq_lens_* / max_length_*,
                packed by position_ids, padding and packing in one batch) and their lengths, under
@@ -35,7 +35,7 @@ import torch._dynamo  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import sinkattn.hf  # noqa: E402
-from sinkattn.testing import gpt_oss  # noqa: E402
+from harness import gpt_oss  # noqa: E402
 from transformers import DataCollatorWithFlattening, StaticCache  # noqa: E402
 
 NO_BREAK = ("dense", "cu_seq_lens", "position_ids")     # layouts that must trace without a graph break

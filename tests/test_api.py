@@ -7,6 +7,7 @@ import torch
 
 import sinkattn
 from sinkattn import reference
+from sinkattn.masks import Window
 
 pytestmark = pytest.mark.floor   # also run on the oldest supported torch (.ci/floor)
 
@@ -91,7 +92,7 @@ def test_softmax_scale_applies_to_scores_not_sink():
     q, k, v, sinks = _dense(B=1, Sq=20, Sk=20)
     out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, softmax_scale=0.3, return_lse=True)
     cu = torch.tensor([0, 20], dtype=torch.int32)
-    ref_o, ref_l = reference.forward(q[0], k[0], v[0], sinks, cu, cu, 0.3, -1, -1)
+    ref_o, ref_l = reference.forward(q[0], k[0], v[0], sinks, cu, cu, 0.3, Window(-1, -1))
     torch.testing.assert_close(out[0].double(), ref_o, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse[0].double(), ref_l, rtol=1e-5, atol=1e-6)
 
@@ -103,7 +104,7 @@ def test_lse_gradient_flows():
     cu_q, cu_k = torch.tensor([0, 30], dtype=torch.int32), torch.tensor([0, 40], dtype=torch.int32)
     ones = torch.ones(4, 30, dtype=torch.float64)
     ref = reference.backward(torch.zeros(30, 4, 16), ones, q[0].detach(), k[0].detach(), v[0].detach(),
-                             sinks.detach(), cu_q, cu_k, 0.25, -1, 0)
+                             sinks.detach(), cu_q, cu_k, 0.25, Window(-1, 0))
     for a, b in zip(g, (ref[0][None], ref[1][None], ref[2][None], ref[3])):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 

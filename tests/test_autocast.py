@@ -14,6 +14,7 @@ import sinkattn
 from sinkattn import reference
 from sinkattn.autocast import autocast_inputs
 from sinkattn.backends import buffers
+from sinkattn.masks import Window
 from sinkattn.testing import precision
 
 HQ, HKV, D = 4, 2, 16
@@ -59,7 +60,7 @@ def test_mixed_inputs_cast_to_autocast_dtype_pass_gate_a_against_golden_of_cast_
 
     cu = torch.tensor(CU, dtype=torch.int32, device=device)
     cast = [x.detach().to(dtype) for x in (q, k, v)]
-    args = (*cast, sinks.detach(), cu, cu, D ** -0.5, 9, 0)
+    args = (*cast, sinks.detach(), cu, cu, D ** -0.5, Window(9, 0))
     gold = [*reference.forward(*args), *reference.backward(do.to(dtype), dlse, *args)]
     for name, actual, golden in zip(("o", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, dq, dk, dv, dsinks), gold):
         # thresholds of the autocast dtype, or of the tensor's own when coarser (dv comes back in v's dtype);

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sinkattn.backends import cpu_tiles
+from sinkattn.masks import Window
 from sinkattn.testing import bench, cases, flops, precision, verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,7 +231,7 @@ def test_gpu_benchmark_end_to_end_on_tiny_shapes(tmp_path):
     by_tile = {}
     for r in report["blocks"]:
         p, (BM, BN) = full[r["problem"]], r["tile"][:2]
-        pairs = flops.visible_pairs(p.seq_lens, p.seq_lens, p.window[0], 0 if p.causal else p.window[1])
+        pairs = flops.visible_pairs(p.seq_lens, p.seq_lens, Window.of(p.causal, p.window))
         assert r["interior"] >= 0 and r["cut"] >= 0 and (r["interior"] + r["cut"]) * BM * BN >= pairs * p.HQ, r
         assert r["interior_share"] == round(r["interior"] / (r["interior"] + r["cut"]), 4)
         counts = by_tile.setdefault((r["problem"], r["kernel"], tuple(r["tile"])), (r["interior"], r["cut"]))

@@ -66,8 +66,8 @@ def test_verify_fails_with_nonzero_exit_on_a_wrong_backend(tmp_path, monkeypatch
     real = cpu.forward
 
     def off_by_a_bit(*args, **kwargs):
-        out, stats = real(*args, **kwargs)
-        return out * 1.01, stats
+        result = real(*args, **kwargs)
+        return result._replace(o=result.o * 1.01)
     monkeypatch.setattr(cpu, "forward", off_by_a_bit)
     out = tmp_path / "v.json"
     code = cli.main(["verify", "--level", "L0", "--backend", "cpu", "--repeats", "1", "--no-gate-b",

@@ -6,7 +6,7 @@ kernels, and its compiled kernel is built for the same level (``cpu_native``), s
 vector units (AVX2 only, or none: the scalar ``default`` kernels) runs other code for its exponentials,
 reductions, conversions and products, bf16 products (``SINKATTN_CPU_PRODUCTS=bf16``) included. Each level
 below runs in a fresh
-process limited to it by ``sinkattn.testing.isa`` (which reports the capability it got, so a limit that
+process limited to it by ``harness.isa`` (which reports the capability it got, so a limit that
 did not take fails the test): training and inference calls in fp16, bf16 and fp32, windows, packed
 and dense, sharp scores, against the float64 golden (Gate A) with NaN-poisoned buffers, and the same
 bits on a second run."""
@@ -18,12 +18,12 @@ import sys
 import pytest
 
 from sinkattn.backends import cpu_native
-from sinkattn.testing import isa
+from harness import isa
 
 _CHILD = """
 import json, os, torch
-from sinkattn.backends import cpu_native
-from sinkattn.testing import cases, isa, verify
+from sinkattn.backends import cpu_native, isa
+from sinkattn.testing import cases, verify
 torch.set_num_threads(1)
 checks = [
     cases.random_packed(3, max_seqs=3, max_len=70, dtype=torch.bfloat16),

@@ -15,6 +15,7 @@ import torch
 
 import sinkattn
 from sinkattn.backends import cpu_native, cpu_small, cpu_tiles
+from sinkattn.masks import Window
 from sinkattn.testing import cases, verify
 from conftest import describe
 
@@ -170,7 +171,7 @@ def _kernel_call(ops, L, HQ, D, seed, bf16):
     g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(L, HQ, D, generator=g).bfloat16().float() for _ in range(2))
     k, v = (torch.randn(L, 1, D, generator=g).bfloat16().float() for _ in range(2))
-    cu_q, cu_k, bounds = cpu._native_of((0, L), (0, L), (-1, 0), HQ).sequences
+    cu_q, cu_k, bounds = cpu._native_of((0, L), (0, L), Window(-1, 0), HQ).sequences
     row, post = cpu._scales(D ** -0.5)
     o, m, log_l = torch.empty(L, HQ, D), torch.empty(HQ, L), torch.empty(HQ, L)
     ops.forward(q, k, v, cu_q, cu_k, bounds, row, post, cpu.NATIVE_BM, cpu_tiles.BN, bf16, o, m, log_l)

@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from sinkattn import masks
+from sinkattn.masks import Window
 from sinkattn.backends import cpu_fused, cpu_tiles
 from sinkattn.testing import cases, verify
 from conftest import describe
@@ -40,12 +40,13 @@ def test_inference_takes_the_fused_kernel_and_training_does_not(case, monkeypatc
 @pytest.mark.parametrize("Lq,Lk", [(300, 300), (100, 250), (250, 100), (64, 1)])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (63, 0), (7, 20), (-1, 9), (30, -1)])
 def test_fused_plan_covers_visible_pairs_once_and_skips_invisible_blocks(Lq, Lk, window):
+    window = Window(*window)
     left, right = window
-    vis = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    vis = window.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk)
     covered = torch.zeros(Lq, Lk, dtype=torch.int32)
     rows = torch.zeros(Lq, dtype=torch.int32)
     computed = 0
-    for p in cpu_fused.plan(Lq, Lk, left, right):
+    for p in cpu_fused.plan(Lq, Lk, window):
         for r0, r1, k0, k1 in p.blocks():
             area = torch.ones(r1 - r0, k1 - k0, dtype=torch.bool)
             if p.causal:
@@ -67,12 +68,13 @@ def test_fused_plan_covers_visible_pairs_once_and_skips_invisible_blocks(Lq, Lk,
 def test_tiles_cover_visible_pairs_once_with_exact_masks(Lq, Lk, window, n, HQ, G):
     """Each visible pair in exactly one tile; a tile's mask (None: all visible) is the mask rule on it,
     repeated for the stacked heads; work is bounded by the visible span plus a block and a chunk."""
+    window = Window(*window)
     left, right = window
-    vis = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    vis = window.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk)
     covered = torch.zeros(Lq, Lk, dtype=torch.int32)
     computed = 0
     row_starts = []
-    for r0, r1, chunks in cpu_tiles._tiles(n, HQ, G, Lq, Lk, left, right):
+    for r0, r1, chunks in cpu_tiles._tiles(n, HQ, G, Lq, Lk, window):
         row_starts.append(r0)
         assert r1 - r0 <= cpu_tiles.rows_per_block(n, HQ, Lk)
         for c0, c1, mask in chunks:
@@ -108,7 +110,7 @@ def test_batched_runs_of_blocks_match_the_golden(window, B):
                       window_size=window)
     left, right = window
     bounded = left >= 0 and right >= 0          # only a band repeats its geometry block after block
-    assert any(p.count > 1 for p in cpu_fused.plan(700, 700, left, right)) == bounded
+    assert any(p.count > 1 for p in cpu_fused.plan(700, 700, Window(left, right))) == bounded
     reports = verify.inference_reports(case)
     assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
     result = verify.run_case(case, "cpu")

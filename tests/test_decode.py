@@ -75,6 +75,46 @@ def test_inference_passes_gate_a(dtype, scale):
     assert precision.check("lse", lse, gold_lse, dtype=torch.float32).gate_a
 
 
+@pytest.mark.parametrize("what", ["finite", "nan-q", "inf-k", "nan-v", "no-sinks", "scores-past-fp32"])
+@pytest.mark.parametrize("Sq,Sk,window", [(1, 16, (-1, 0)), (3, 40, (9, 0)), (16, 16, (-1, 0))],
+                         ids=["decode", "speculative-window", "prefill"])
+def test_the_one_call_dense_paths_hand_back_what_they_cannot_take(what, Sq, Sk, window, monkeypatch):
+    """A dense call without gradients runs whole in the compiled kernel (a few queries: ``forward_small``;
+    else the fused kernel and ``join_dense``) only where the result is the formula's as computed there;
+    a NaN or inf input, or scores that may leave fp32, go the exact way (``cpu.forward``), which keeps
+    the NaN to the terms that hold it, or refuses the scores. Results against the float64 golden, their
+    NaN pattern included (Gate A), buffers NaN-poisoned."""
+    from sinkattn.backends import buffers, cpu, cpu_native
+    if cpu_native.load() is None:
+        pytest.skip("the compiled kernel is not built")
+    calls = []
+    exact = cpu.forward
+    monkeypatch.setattr(cpu, "forward", lambda *a, **kw: calls.append(1) or exact(*a, **kw))
+    q, k, v, sinks = _inputs(2, Sq, Sk)
+    scale = None
+    if what == "nan-q":
+        q[1, -1, 3, 5] = float("nan")
+    elif what == "inf-k":
+        k[0, Sk // 2, 1, 0] = float("inf")
+    elif what == "nan-v":
+        v[1, 2, 0, 7] = float("nan")
+    elif what == "no-sinks":
+        sinks = None
+    elif what == "scores-past-fp32":
+        q, k, scale = q * 1e10, k * 1e10, 1e18
+    options = dict(sinks=sinks, causal=True, window_size=window, return_lse=True, softmax_scale=scale)
+    with torch.no_grad(), buffers.poisoned():
+        if what == "scores-past-fp32":
+            with pytest.raises(ValueError, match="beyond what fp32 holds"):
+                sinkattn.sink_attn_func(q, k, v, **options)
+            assert calls
+            return
+        out, lse = sinkattn.sink_attn_func(q, k, v, **options)
+    gold, gold_lse = sinkattn.sink_attn_func(q, k, v, backend="reference", **options)
+    assert precision.gate_a("o", out, gold).gate_a and precision.gate_a("lse", lse, gold_lse).gate_a
+    assert bool(calls) == (what not in ("finite", "no-sinks")), what
+
+
 def _op_refused(*args, **kwargs):
     raise AssertionError("sinkattn::forward was dispatched")
 

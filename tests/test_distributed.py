@@ -1,5 +1,5 @@
 """sinkattn.distributed against single-process sinkattn on the full tensors, on 2 and 4 gloo
-processes (one spawned group per world size runs every case; see sinkattn.testing.cp), and against
+processes (one spawned group per world size runs every case; see harness.cp), and against
 the float64 golden at P = 2 and 3 (one group of 3 processes runs the whole precision matrix)."""
 
 import os
@@ -14,7 +14,7 @@ import sinkattn
 import sinkattn.distributed as cp
 from sinkattn import reference
 from sinkattn.testing import precision
-from sinkattn.testing.cp import (AUTOCAST_DTYPE, CASES, ERRORS, LENGTHS, PRECISION, PRECISION_SEEDS,
+from harness.cp import (AUTOCAST_DTYPE, CASES, ERRORS, LENGTHS, PRECISION, PRECISION_SEEDS,
                                  PRECISION_SIZES, cu_seqlens, inputs, precision_inputs, spawn, spawn_precision)
 from sinkattn.masks import Window
 
@@ -256,7 +256,7 @@ def test_context_parallel_meets_the_precision_standard(precision_runs, one_threa
     misses = []
     for seed in PRECISION_SEEDS:
         got, x = precision_runs[P, case.name, seed], precision_inputs(case, P, seed)
-        args = (x["q"], x["k"], x["v"], x["sinks"], cu, cu, case.D ** -0.5, *window)
+        args = (x["q"], x["k"], x["v"], x["sinks"], cu, cu, case.D ** -0.5, window)
         gold = dict(zip(("o", "lse"), reference.forward(*args)))
         gold.update(zip(("dq", "dk", "dv", "dsinks"), reference.backward(x["dout"], x["dlse"], *args)))
         for name, want in gold.items():

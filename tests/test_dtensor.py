@@ -1,6 +1,6 @@
 """sinkattn on DTensors (tensor parallelism over heads) against the plain local call on each rank's heads,
 bitwise, on 1- and 2-rank gloo meshes (one spawned group per mesh size runs every case; see
-sinkattn.testing.tp)."""
+harness.tp)."""
 
 import os
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sinkattn
-from sinkattn.testing.tp import CASES, ERRORS, LENGTHS, heads, inputs, spawn
+from harness.tp import CASES, ERRORS, LENGTHS, heads, inputs, spawn
 
 # pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
 pytestmark = pytest.mark.xdist_group("test_dtensor")

@@ -1,6 +1,6 @@
 """sinkattn.hf against Hugging Face's own eager gpt-oss attention, on small random models.
 
-Every model is built from a GptOssConfig (sinkattn.testing.gpt_oss; no downloads, HF_HUB_OFFLINE=1):
+Every model is built from a GptOssConfig (harness.gpt_oss; no downloads, HF_HUB_OFFLINE=1):
 4 layers alternating sliding (window 8) / full attention, sequences longer than the window,
 sharp attention and sinks ``2 * randn``. Each comparison runs the same weights twice, eager and
 sinkattn; packed rows are compared with each sequence run alone (eager does not isolate the
@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 transformers = pytest.importorskip("transformers", minversion="5.4")
 
 import sinkattn.hf  # noqa: E402
-from sinkattn.testing import gpt_oss  # noqa: E402
+from harness import gpt_oss  # noqa: E402
 from conftest import cold_cache_env  # noqa: E402
 from transformers import DataCollatorWithFlattening, StaticCache  # noqa: E402
 from transformers import masking_utils  # noqa: E402
@@ -163,7 +163,7 @@ def test_greedy_generate_left_padded_past_the_window(pair, cache):
         assert rel(a, b) <= LOGIT_RTOL, f"step {step}: rel err {rel(a, b):.2e}"
 
 
-# other sink families in the inductor run (sinkattn.testing.families; the rest by hand, docs/hf.md): the value
+# other sink families in the inductor run (harness.families; the rest by hand, docs/hf.md): the value
 # head dim Dv != D with a sliding layer, and the bidirectional window, dense batches (the padded layout's
 # lowering, inductor's slowest part, is gpt-oss's padded+packed check)
 COMPILED_FAMILIES = ["mimo_v2_flash:dense", "openai_privacy_filter:dense"]

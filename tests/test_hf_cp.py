@@ -2,7 +2,7 @@
 launched as a user launches it: ``torchrun --nproc-per-node P`` (``python -m torch.distributed.run``), P = 2 and 3,
 gloo on CPU, fp32. Every rank's loss, logits and every parameter gradient (sinks included), gathered and summed
 over the group, against one process running the unpadded packed batch through ``attn_implementation="sinkattn"``.
-The other sink families (``sinkattn.testing.families``) at P = 2, ring and Ulysses, in the P = 2 launch: the causal
+The other sink families (``harness.families``) at P = 2, ring and Ulysses, in the P = 2 launch: the causal
 decoders, and the bidirectional token classifier with unshifted labels (``shard_batch(shift_labels=False)``).
 """
 
@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers", minversion="5.4")
 
 import sinkattn.hf  # noqa: E402
 from sinkattn.hf import heads  # noqa: E402
-from sinkattn.testing import gpt_oss, hf_cp  # noqa: E402
-from sinkattn.testing.hf_cp import relative_error as rel  # noqa: E402
+from harness import gpt_oss, hf_cp  # noqa: E402
+from harness.hf_cp import relative_error as rel  # noqa: E402
 
 # pytest -n: one worker runs the whole module, whose module-scoped fixture launches processes
 pytestmark = pytest.mark.xdist_group("test_hf_cp")

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers", minversion="5.4")
 pytest.importorskip("deepspeed")
 
 import sinkattn.hf  # noqa: E402
-from sinkattn.testing import gpt_oss, hf_cp, hf_deepspeed  # noqa: E402
-from sinkattn.testing.hf_cp import relative_error as rel  # noqa: E402
+from harness import gpt_oss, hf_cp, hf_deepspeed  # noqa: E402
+from harness.hf_cp import relative_error as rel  # noqa: E402
 
 RTOL = 1e-5
 
@@ -25,7 +25,7 @@ NAME = sinkattn.hf.register()
 
 @pytest.mark.parametrize("P", (2, 3))
 def test_deepspeed_ulysses_matches_one_process(P, tmp_path):
-    results = hf_cp.launch(P, tmp_path, "sinkattn.testing.hf_deepspeed")
+    results = hf_cp.launch(P, tmp_path, "harness.hf_deepspeed")
     model = gpt_oss.model(hf_cp.config(), attn_implementation=NAME).train()
     out = model(**hf_cp.batch(documents=hf_deepspeed.DOCUMENTS, flash_kwargs=False))
     out.loss.backward()

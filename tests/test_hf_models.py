@@ -1,6 +1,6 @@
 """sinkattn.hf against Hugging Face's own eager attention for every model family in transformers with
 attention sinks (gpt-oss has its own file, test_hf.py), each from a tiny random config
-(``sinkattn.testing.families``: MiMo-V2-Flash with Dv != D, DeepSeek-V4 with D=512, HY-V4's MLA and
+(``harness.families``: MiMo-V2-Flash with Dv != D, DeepSeek-V4 with D=512, HY-V4's MLA and
 indexer, Granite-SWA, GraniteMoE-SWA, Flint, the bidirectional OpenAI privacy filter).
 
 Each model runs twice with the same weights (eager, sinkattn) on a dense batch and on a left- or
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers", minversion="5.4")
 
 import sinkattn.hf  # noqa: E402
-from sinkattn.testing import families, gpt_oss  # noqa: E402
+from harness import families, gpt_oss  # noqa: E402
 from test_hf import OpCounter  # noqa: E402
 
 NAME = sinkattn.hf.register()
@@ -37,7 +37,7 @@ FAMILIES = families.FAMILIES
 
 
 def models(name, **changes):
-    """(eager model, sinkattn model) with identical weights (``sinkattn.testing.families.model``)."""
+    """(eager model, sinkattn model) with identical weights (``harness.families.model``)."""
     eager = families.model(name, **changes)
     ours = copy.deepcopy(eager)
     ours.set_attn_implementation(NAME)

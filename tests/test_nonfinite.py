@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sinkattn
-from sinkattn import masks
+from sinkattn.masks import Window
 from sinkattn.backends import buffers
 from sinkattn.backends.triton import config, schedule
 from sinkattn.testing import precision
@@ -52,7 +52,7 @@ def _predicted(lens, where, left, right):
     sees_keys = torch.zeros(T, T, dtype=torch.bool)
     start = 0
     for L in lens:
-        vis = masks.visible(torch.arange(L), torch.arange(L), L, L, left, right)
+        vis = Window(left, right).visible(torch.arange(L), torch.arange(L), L, L)
         sees_keys[start:start + L, start:start + L] = vis
         if start <= BAD_TOKEN < start + L:
             sees[start:start + L] = vis[:, BAD_TOKEN - start]
@@ -159,13 +159,13 @@ def _triton_reach(lens, where, left, right, dtype=torch.float32):
     seq = max(i for i, s in enumerate(starts[:-1]) if s <= BAD_TOKEN)     # the sequence holding the bad key
     start, L = starts[seq], lens[seq]
     j = BAD_TOKEN - start
-    sees = masks.visible(torch.arange(L), torch.tensor([j]), L, L, left, right)[:, 0]      # [L]
+    sees = Window(left, right).visible(torch.arange(L), torch.tensor([j]), L, L)[:, 0]      # [L]
 
     def tile_rows(blocks):                 # positions of the forward / dQ tiles that visit j's key block
         rows = torch.zeros(L, dtype=torch.bool)
         PM = blocks.BM // config.pack_heads(G, blocks.BM)
         for p0 in range(0, L, PM):
-            b0, b1, _, _ = schedule.query_tile_blocks(p0, min(p0 + PM, L), L, L, left, right, blocks.BN)
+            b0, b1, _, _ = schedule.query_tile_blocks(p0, min(p0 + PM, L), L, L, Window(left, right), blocks.BN)
             rows[p0:p0 + PM] |= b0 <= j // blocks.BN < b1
         return rows
 
@@ -175,7 +175,7 @@ def _triton_reach(lens, where, left, right, dtype=torch.float32):
     may_keys = torch.zeros(L, dtype=torch.bool)
     may_keys[j] = True
     for n0 in range(0, L, dkdv.BN):                           # dK/dV programs meeting a reached row
-        b0, b1, _, _ = schedule.key_block_rows(n0, min(n0 + dkdv.BN, L), L, L, left, right, dkdv.BM)
+        b0, b1, _, _ = schedule.key_block_rows(n0, min(n0 + dkdv.BN, L), L, L, Window(left, right), dkdv.BM)
         may_keys[n0:n0 + dkdv.BN] |= bool(reached[b0 * dkdv.BM:b1 * dkdv.BM].any())
 
     def place(rows, heads):
@@ -243,7 +243,7 @@ def _predicted_nan_q(lens, left, right):
     ``dsink_h``; nothing else."""
     T = sum(lens)
     start, L = _sequence_of_bad_row(lens)
-    sees = masks.visible(torch.tensor([BAD_ROW - start]), torch.arange(L), L, L, left, right)[0]   # [L]
+    sees = Window(left, right).visible(torch.tensor([BAD_ROW - start]), torch.arange(L), L, L)[0]   # [L]
     row = torch.zeros(T, HQ, dtype=torch.bool)
     row[BAD_ROW, BAD_QHEAD] = True
     keys = torch.zeros(T, HKV, dtype=torch.bool)

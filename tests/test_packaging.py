@@ -1,7 +1,10 @@
 """What ``python -m build`` makes of the repository: the sdist and the wheel carry the package, its licence
-and metadata, and nothing else; the torch floor is one version in pyproject, the README and .ci/floor."""
+and metadata, and nothing else (no test harness: it lives in tests/harness, and the installed package
+imports without it); the torch floor is one version in pyproject, the README and .ci/floor."""
 
+import ast
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +20,11 @@ import sinkattn
 pytestmark = pytest.mark.xdist_group("test_packaging")
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTING = {"__init__", "precision", "cases", "verify", "eager", "bench", "flops", "options"}
+"""``sinkattn.testing``'s modules: what users call in their own tests (the precision gates, the level tables,
+the float64 golden) and what the ``sinkattn`` command runs (``verify``, ``bench`` and their options)."""
+HARNESS = {p.stem for p in (ROOT / "tests" / "harness").glob("*.py")} - {"__init__"}
+"""The test harness's modules (tests/harness): launchers, audits, test models; never shipped."""
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 """The Apache License 2.0 as published (apache.org's LICENSE-2.0.txt, Debian's common-licenses/Apache-2.0)."""
 
@@ -62,6 +70,90 @@ def test_wheel_holds_the_package_license_and_metadata_only(dists):
     assert f"\nRequires-Dist: torch>={_pyproject_floor()}\n" in metadata
     assert metadata.rstrip().endswith((ROOT / "README.md").read_text().rstrip())   # the long description
     assert "sinkattn = sinkattn.__main__:main" in entry_points
+
+
+def test_wheel_holds_no_test_harness(dists):
+    _, wheel = dists
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    assert {n.split("/")[0] for n in names} == {"sinkattn", f"sinkattn-{sinkattn.__version__}.dist-info"}
+    testing = {n.removeprefix("sinkattn/testing/") for n in names if n.startswith("sinkattn/testing/")}
+    assert testing == {f"{m}.py" for m in TESTING}
+    assert HARNESS and not [n for n in names if "harness" in n or n.startswith("tests/")]
+    assert not {f"sinkattn/testing/{m}.py" for m in HARNESS} & set(names)
+
+
+def test_installed_wheel_imports_and_runs_without_the_tests_dir(dists, tmp_path):
+    """The wheel unpacked (all a pure-Python install puts in site-packages) and imported in an isolated
+    interpreter (``-I``: no PYTHONPATH, no current folder) with no tests/ on its path: every module imports
+    (a missing optional extra aside), the CPU path that reads the instruction-set ceilings runs, the
+    golden check of one L0 case passes, the bench header and ``sinkattn --help`` work, and nothing from
+    tests/ was imported."""
+    _, wheel = dists
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site)
+    code = f"""
+import importlib, importlib.util, pkgutil, sys
+sys.path.insert(0, {str(site)!r})
+import torch
+import sinkattn
+assert sinkattn.__file__.startswith({str(site)!r}), sinkattn.__file__
+assert importlib.util.find_spec("harness") is None and not any("tests" in p.split("/") for p in sys.path), sys.path
+for info in pkgutil.walk_packages(sinkattn.__path__, "sinkattn."):
+    if info.name == "sinkattn.__main__":
+        continue
+    try:
+        importlib.import_module(info.name)
+    except ModuleNotFoundError as exc:        # an optional extra (triton, transformers) not installed
+        assert exc.name.split(".")[0] not in ("sinkattn", "harness"), (info.name, exc)
+from sinkattn.backends import cpu_native
+cpu_native.bf16_products(torch.zeros(1, dtype=torch.bfloat16))     # the AMX check: sinkattn.backends.isa
+from sinkattn.testing import bench, cases, verify
+result = verify.run_case(cases.cases("L0")[0], "cpu", gate_b=True)
+assert result.passed, result.error or [r.as_dict() for r in result.reports]
+print(bench.header("cpu")["dispatch"])
+from sinkattn.__main__ import main
+try:
+    main(["--help"])
+except SystemExit as exc:
+    assert exc.code == 0, exc.code
+loaded = [m for m, mod in list(sys.modules.items()) if m.split(".")[0] in ("harness", "tests")
+          or "/tests/" in (getattr(mod, "__file__", None) or "")]
+assert not loaded, loaded
+print("imported without tests/")
+"""
+    run = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env={**os.environ, "SINKATTN_CPU_KERNEL": "python"})   # no kernel build here
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "usage: sinkattn" in run.stdout and run.stdout.rstrip().endswith("imported without tests/")
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """The modules ``path`` (module ``module``) imports, relative imports resolved, at any depth of its code."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            found |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def test_imports_point_down_library_testing_cli():
+    """The library never imports ``sinkattn.testing`` (only the command on top of both, ``__main__``, does),
+    and ``sinkattn.testing`` imports nothing of the test harness."""
+    src = ROOT / "src"
+    for path in sorted((src / "sinkattn").rglob("*.py")):
+        module = ".".join(path.relative_to(src).with_suffix("").parts).removesuffix(".__init__")
+        imported = _imports(path, module)
+        if module.startswith("sinkattn.testing"):
+            assert not [m for m in imported if m.split(".")[0] in ("harness", "tests")], (module, imported)
+        elif module != "sinkattn.__main__":
+            assert not [m for m in imported if m.startswith("sinkattn.testing")], (module, imported)
 
 
 def test_sdist_holds_the_package_and_its_documents_only(dists):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sinkattn import reference
+from sinkattn.masks import Window
 
 pytestmark = pytest.mark.floor   # also run on the oldest supported torch (.ci/floor)
 
@@ -70,9 +71,8 @@ def test_reference_matches_concatenated_column(q_lens, k_lens, HQ, HKV, D, causa
     loss = (out2 * do).sum() + ((lse2 * dlse).sum() if dlse is not None else 0)
     grads2 = torch.autograd.grad(loss, (q, k, v, sinks))
 
-    left, right = window[0], 0 if causal else window[1]
-    args = (q.detach(), k.detach(), v.detach(), sinks.detach(),
-            torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), scale, left, right)
+    args = (q.detach(), k.detach(), v.detach(), sinks.detach(), torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32), scale, Window.of(causal, window))
     out, lse = reference.forward(*args)
     grads = reference.backward(do, dlse, *args)
     torch.testing.assert_close(out, out2.detach(), rtol=0, atol=1e-12)
@@ -88,14 +88,14 @@ def test_reference_special_rows_follow_the_contract():
     v = torch.randn(2, 1, 4, dtype=torch.float64)
     cu_q, cu_k = torch.tensor([0, 6], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
     sinks = torch.tensor([0.5, float("inf")], dtype=torch.float64)
-    out, lse = reference.forward(q, k, v, sinks, cu_q, cu_k, 0.5, -1, 0)  # causal, Lq > Lk: rows 0..3 empty
+    out, lse = reference.forward(q, k, v, sinks, cu_q, cu_k, 0.5, Window(-1, 0))  # causal, Lq > Lk: rows 0..3 empty
     assert torch.equal(out[:4], torch.zeros_like(out[:4]))
     assert torch.equal(lse[0, :4], torch.full((4,), 0.5, dtype=torch.float64))
     assert torch.equal(out[:, 1], torch.zeros_like(out[:, 1])) and bool((lse[1] == math.inf).all())
     dq, dk, dv, ds = reference.backward(torch.randn(6, 2, 4, dtype=torch.float64), None, q, k, v, sinks,
-                                        cu_q, cu_k, 0.5, -1, 0)
+                                        cu_q, cu_k, 0.5, Window(-1, 0))
     assert torch.equal(dq[:4], torch.zeros_like(dq[:4])) and torch.equal(dq[:, 1], torch.zeros_like(dq[:, 1]))
     assert ds[1] == 0
     assert not any(torch.isnan(t).any() for t in (out, lse, dq, dk, dv, ds))
-    out_n, lse_n = reference.forward(q, k, v, None, cu_q, cu_k, 0.5, -1, 0)
+    out_n, lse_n = reference.forward(q, k, v, None, cu_q, cu_k, 0.5, Window(-1, 0))
     assert bool((lse_n[:, :4] == -math.inf).all()) and torch.equal(out_n[:4], torch.zeros_like(out_n[:4]))

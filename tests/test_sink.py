@@ -41,11 +41,11 @@ def _packed_with_keyless_rows(dtype, seed: int):
 
 def _keyless(cu_q, cu_k, window) -> torch.Tensor:
     """bool ``[Tq]``: the query tokens that see no key (from ``sinkattn.masks``, the mask rule)."""
-    from sinkattn import masks
+    from sinkattn.masks import Window
     rows = []
     for b in range(cu_q.numel() - 1):
         Lq, Lk = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
-        lo, hi = masks.row_key_bounds(torch.arange(Lq), Lq, Lk, *window)
+        lo, hi = Window(*window).key_bounds(torch.arange(Lq), Lq, Lk)
         rows.append(hi <= lo)
     return torch.cat(rows)
 

@@ -1,7 +1,7 @@
 """sinkattn under the trainers people fine-tune gpt-oss with, end to end on CPU: TRL's SFTTrainer with
 its defaults (packing, bf16 autocast, gradient checkpointing), HF Trainer with DataCollatorWithFlattening,
 PEFT LoRA with trainable sinks, and DDP over gloo. Tiny gpt-oss models from a config, datasets built in
-memory, a word-level tokenizer made here (sinkattn.testing.training): nothing from a hub.
+memory, a word-level tokenizer made here (harness.training): nothing from a hub.
 
 Packed rows are compared with each of their sequences run alone through eager attention (eager
 attends across a packed row). The trainers run under bf16 autocast, where eager itself is off the
@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers", minversion="5.4")
 trl = pytest.importorskip("trl", minversion="1.16")
 
 import sinkattn.hf  # noqa: E402
-from sinkattn.testing import gpt_oss, training  # noqa: E402
+from harness import gpt_oss, training  # noqa: E402
 
 NAME = sinkattn.hf.register()
 LOGIT_RTOL = 2e-5

@@ -9,13 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
-from sinkattn import masks, sink_attn_varlen_func
+from sinkattn import sink_attn_varlen_func
+from sinkattn.masks import Window
 from sinkattn.testing import cases, verify
 from sinkattn.backends import triton as triton_backend
 from sinkattn.backends.triton import config, kernels, schedule
 from sinkattn.backends.capabilities import Batch
 from sinkattn.backends import buffers
-from sinkattn.testing import triton_audit
+from harness import triton_audit
 from conftest import DEVICE, describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,7 @@ def test_fp32_backward_past_256_is_refused_where_it_does_not_fit(monkeypatch):
     q = torch.randn(4, 2, 300, device=DEVICE)
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with buffers.poisoned(), pytest.raises(NotImplementedError, match="float16 / bfloat16, or backend='cpu'"):
-        triton_backend.forward(q, q, q, Batch(cu, cu, 4, 4), masks.Window(-1, 0), 0.1, True)
+        triton_backend.forward(q, q, q, Batch(cu, cu, 4, 4), Window(-1, 0), 0.1, True)
 
 
 @pytest.mark.determinism
@@ -175,7 +176,7 @@ def test_launch_sized_by_a_loose_max_seqlen_equals_a_tight_one():
     do, dlse = torch.randn_like(q), torch.randn(HQ, sum(lens), device=DEVICE)
     results = []
     for bounds in ((9, 9), (9 + 64, 9 + 130)):
-        batch, window = Batch(cu, cu, *bounds), masks.Window(3, 0)
+        batch, window = Batch(cu, cu, *bounds), Window(3, 0)
         with buffers.poisoned():
             out, stats = triton_backend.forward(q, k, v, batch, window, 0.3, True)
             grads = triton_backend.backward(do, dlse, q, k, v, out, stats, None, batch, window, 0.3, False)
@@ -191,14 +192,15 @@ SCHEDULE_WINDOWS = [(-1, -1), (-1, 0), (7, 0), (0, 0), (5, 9), (-1, 3), (12, -1)
 @pytest.mark.parametrize("Lq,Lk", SCHEDULE_SHAPES)
 @pytest.mark.parametrize("left,right", SCHEDULE_WINDOWS)
 def test_unmasked_blocks_are_exactly_the_fully_visible_ones(Lq, Lk, left, right):
-    """The kernels' block split (mirrored in ``schedule``) against ``masks.visible``: the blocks a tile
+    """The kernels' block split (mirrored in ``schedule``) against ``Window.visible``: the blocks a tile
     visits hold every visible pair, and the ones it runs without the mask are exactly those every
     row of the tile sees whole (rows past the end count as seeing all: their ``P`` is 0 unmasked)."""
-    vis = masks.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk, left, right)
+    window = Window(left, right)
+    vis = window.visible(torch.arange(Lq), torch.arange(Lk), Lq, Lk)
     for PM, BN in [(1, 4), (3, 8), (8, 8), (16, 4)]:          # forward / dQ tiles of PM positions
         for p0 in range(0, Lq, PM):
             p1 = min(p0 + PM, Lq)
-            b0, b1, i0, i1 = schedule.query_tile_blocks(p0, p1, Lq, Lk, left, right, BN)
+            b0, b1, i0, i1 = schedule.query_tile_blocks(p0, p1, Lq, Lk, window, BN)
             seen = vis[p0:p1].nonzero()[:, 1]
             assert all(b0 * BN <= j < b1 * BN for j in seen.tolist())
             for b in range(b0, b1):
@@ -208,12 +210,45 @@ def test_unmasked_blocks_are_exactly_the_fully_visible_ones(Lq, Lk, left, right)
     for BM, BN in [(4, 1), (8, 3), (8, 8), (4, 16)]:          # dK/dV programs of BN keys
         for n0 in range(0, Lk, BN):
             n1 = min(n0 + BN, Lk)
-            b0, b1, i0, i1 = schedule.key_block_rows(n0, n1, Lq, Lk, left, right, BM)
+            b0, b1, i0, i1 = schedule.key_block_rows(n0, n1, Lq, Lk, window, BM)
             seen = vis[:, n0:n1].nonzero()[:, 0]
             assert all(b0 * BM <= i < b1 * BM for i in seen.tolist())
             for b in range(b0, b1):
                 whole = bool(vis[b * BM:min((b + 1) * BM, Lq), n0:n1].all())
                 assert (i0 <= b < i1) == whole, (n0, b, (b0, b1, i0, i1))
+
+
+@triton.jit
+def _bounds_probe(LQ, LK, LEFT, RIGHT, OUT, BLOCK: tl.constexpr):
+    """Per program (one ``(Lq, Lk, left, right)``): the kernels' ``_row_key_bounds`` of rows and
+    ``_key_row_bounds`` of keys ``[0, BLOCK)``, as ``OUT [programs, 4, BLOCK]`` int32 (lo, hi, i_lo, i_hi)."""
+    pid = tl.program_id(0)
+    Lq, Lk, left, right = tl.load(LQ + pid), tl.load(LK + pid), tl.load(LEFT + pid), tl.load(RIGHT + pid)
+    x = tl.arange(0, BLOCK)
+    lo, hi = kernels._row_key_bounds(x, Lq, Lk, left, right)
+    i_lo, i_hi = kernels._key_row_bounds(x, Lq, Lk, left, right)
+    base = OUT + pid * 4 * BLOCK
+    tl.store(base + x, lo)
+    tl.store(base + BLOCK + x, hi)
+    tl.store(base + 2 * BLOCK + x, i_lo)
+    tl.store(base + 3 * BLOCK + x, i_hi)
+
+
+def test_kernels_transcribe_the_window_rule():
+    """The kernels' copy of the mask rule (Triton, ints) against ``Window``: for every row ``i < Lq`` the
+    keys ``[lo, hi)`` are ``Window.key_bounds``, for every key ``j < Lk`` the rows ``[i_lo, i_hi)`` are
+    ``Window.row_bounds``, over windows with either side unbounded, zero or bounded, Lq < Lk and Lq > Lk."""
+    shapes = [(7, 7), (5, 11), (11, 5), (1, 9), (9, 1), (16, 3), (3, 16)]
+    windows = [(-1, -1), (-1, 0), (0, 0), (3, -1), (-1, 2), (2, 3), (10, 0), (0, 5), (20, 20)]
+    combos = [(Lq, Lk, left, right) for Lq, Lk in shapes for left, right in windows]
+    LQ, LK, LEFT, RIGHT = (torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in zip(*combos))
+    BLOCK = 16
+    out = torch.full((len(combos), 4, BLOCK), -99, dtype=torch.int32, device=DEVICE)
+    _bounds_probe[(len(combos),)](LQ, LK, LEFT, RIGHT, out, BLOCK=BLOCK)
+    for (Lq, Lk, left, right), got in zip(combos, out.tolist()):
+        window = Window(left, right)
+        assert [(got[0][i], got[1][i]) for i in range(Lq)] == [window.key_bounds(i, Lq, Lk) for i in range(Lq)]
+        assert [(got[2][j], got[3][j]) for j in range(Lk)] == [window.row_bounds(j, Lq, Lk) for j in range(Lk)]
 
 
 @triton.jit
@@ -315,23 +350,22 @@ def test_the_device_flag_picks_the_dq_kernel_that_works():
     from sinkattn.testing import precision
 
     torch.manual_seed(3)
-    HQ, HKV, D, scale, left, right = 4, 2, 16, 0.3, 5, 0
+    HQ, HKV, D, scale, window = 4, 2, 16, 0.3, Window(5, 0)
     cu = torch.tensor([0, 11, 11, 30], dtype=torch.int32, device=DEVICE)
     q, do = torch.randn(30, HQ, D, device=DEVICE), torch.randn(30, HQ, D, device=DEVICE)
     k, v = torch.randn(2, 30, HKV, D, device=DEVICE)
     dlse = torch.randn(HQ, 30, device=DEVICE)
     with buffers.poisoned():                 # no sinks: the backend's statistics over the keys are final
-        out, (m2, log2_l) = triton_backend.forward(q, k, v, Batch(cu, cu, 19, 19), masks.Window(left, right), scale,
-                                                   True)
-    gold_o, _ = reference.forward(q, k, v, None, cu, cu, scale, left, right)
+        out, (m2, log2_l) = triton_backend.forward(q, k, v, Batch(cu, cu, 19, 19), window, scale, True)
+    gold_o, _ = reference.forward(q, k, v, None, cu, cu, scale, window)
     gold_delta = torch.linalg.vecdot(do.double(), gold_o).t() - dlse.double()
-    gold_dq = reference.backward(do, dlse, q, k, v, None, cu, cu, scale, left, right)[0]
+    gold_dq = reference.backward(do, dlse, q, k, v, None, cu, cu, scale, window)[0]
     delta = torch.full((HQ, 30), float("nan"), device=DEVICE)
     launch.delta(out, do, dlse, delta, None)()
     from_delta_kernel = delta.clone()
     flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     dq = torch.full_like(q, float("nan"))
-    plans = {exact_delta: launch.dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu, cu, scale, left, right, 19, None,
+    plans = {exact_delta: launch.dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu, cu, scale, window, 19, None,
                                     False, False, flag, exact_delta) for exact_delta in (False, True)}
     plans[True]()
     assert dq.isnan().all() and torch.equal(delta, from_delta_kernel)
@@ -384,14 +418,14 @@ def test_scores_beyond_fp32_are_computed_as_fp32_holds_them():
         out, lse = sink_attn_varlen_func(*leaves[:3], cu, cu, 12, 12, sinks=leaves[3], causal=True, return_lse=True,
                                          backend="triton")
         grads = torch.autograd.grad(out.sum() + lse.sum(), leaves)
-    gold_o, gold_lse = reference.forward(q, k, v, sinks, cu, cu, D ** -0.5, -1, 0)
+    gold_o, gold_lse = reference.forward(q, k, v, sinks, cu, cu, D ** -0.5, Window(-1, 0))
     assert out[:4].isnan().all() and (lse[:, :4] == float("inf")).all()
     assert precision.check("o", out[4:], gold_o[4:], dtype=torch.float32).gate_a
     assert precision.check("lse", lse[:, 4:], gold_lse[:, 4:], dtype=torch.float32).gate_a
     x1 = [t[8:].detach() for t in (q, k, v)]
     cu1 = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
     gold = reference.backward(torch.ones(12, HQ, D, device=DEVICE), torch.ones(HQ, 12, device=DEVICE), *x1, sinks,
-                              cu1, cu1, D ** -0.5, -1, 0)
+                              cu1, cu1, D ** -0.5, Window(-1, 0))
     for name, got, want in zip(("dq", "dk", "dv"), grads[:3], gold[:3]):
         assert not got[:8].isfinite().all(), name
         assert precision.check(name, got[8:], want, dtype=torch.float32).gate_a, name
@@ -419,6 +453,6 @@ def test_gradients_of_an_unused_out_or_lse_arrive_as_none(backend, used):
         outputs, seeds = dict(out=([out], [do]), lse=([lse], [dlse]), both=([out, lse], [do, dlse]))[used]
         grads = torch.autograd.grad(outputs, leaves, seeds)
     gold = reference.backward(do if used != "lse" else torch.zeros_like(do), dlse if used != "out" else None, *x[:3],
-                              x[3], cu, cu, 0.25, 6, 2)
+                              x[3], cu, cu, 0.25, Window(6, 2))
     for name, got, want in zip(("dq", "dk", "dv", "dsinks"), grads, gold):
         assert precision.check(name, got, want, dtype=torch.float32).gate_a, (used, name)

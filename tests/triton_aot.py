@@ -23,11 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from sinkattn.testing import triton_audit as audit
+from harness import triton_audit as audit
 
 RECORD = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "triton-audit.json"
 FIGURES = ("shared_bytes", "registers", "stack_bytes", "spill_stores", "spill_loads")
-RERUN = f"python -m sinkattn.testing.triton_audit --reuse {RECORD} --out {RECORD} --markdown"
+RERUN = f"PYTHONPATH=tests python -m harness.triton_audit --reuse {RECORD} --out {RECORD} --markdown"
 
 
 def stale(record: dict) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import masks
+from .masks import Window
 
 __all__ = ["forward", "backward", "gradients"]
 
@@ -50,7 +50,7 @@ def _sequence_grads(p, delta, dob, qb, kb, vb, vis, softmax_scale, HKV):
     return dq.transpose(0, 1), *(x.view(HKV, G, Lk, x.shape[-1]).sum(1).transpose(0, 1) for x in (dk, dv))
 
 
-def _probabilities(qb, kb, sink, scale, left, right):
+def _probabilities(qb, kb, sink, scale, window: Window):
     """Per sequence: ``P [HQ, Lq, Lk]``, ``lse [HQ, Lq]`` in float64 and ``visible [Lq, Lk]``.
 
     ``qb [HQ, Lq, D]``, ``kb [HQ, Lk, D]`` (already expanded over the group),
@@ -59,7 +59,7 @@ def _probabilities(qb, kb, sink, scale, left, right):
     HQ, Lq, _ = qb.shape
     Lk = kb.shape[1]
     dev = qb.device
-    vis = masks.visible(torch.arange(Lq, device=dev), torch.arange(Lk, device=dev), Lq, Lk, left, right)
+    vis = window.visible(torch.arange(Lq, device=dev), torch.arange(Lk, device=dev), Lq, Lk)
     s = torch.where(vis, scale * qb @ kb.transpose(1, 2), _NEG_INF)           # [HQ, Lq, Lk]
     row_max = s.amax(-1) if Lk > 0 else torch.full((HQ, Lq), _NEG_INF, dtype=torch.float64, device=dev)
     m = torch.maximum(sink[:, None], row_max)                                  # sink joins the max
@@ -82,23 +82,23 @@ def _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1):
     return qb, kb, vb, sink
 
 
-def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window):
     """``out [Tq, HQ, D]`` and ``lse [HQ, Tq]``, both float64.
 
-    ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None.
+    ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` or None, ``window`` the mask.
     """
     Tq, HQ, D = q.shape
     out = torch.zeros(Tq, HQ, v.shape[-1], dtype=torch.float64, device=q.device)
     lse = torch.full((HQ, Tq), _NEG_INF, dtype=torch.float64, device=q.device)
     for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         qb, kb, vb, sink = _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1)
-        p, lse_b, vis = _probabilities(qb, kb, sink, softmax_scale, left, right)
+        p, lse_b, vis = _probabilities(qb, kb, sink, softmax_scale, window)
         out[s0:s1] = _visible_sum(p, vb, vis).transpose(0, 1)
         lse[:, s0:s1] = lse_b
     return out, lse
 
 
-def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window):
     """``(dq, dk, dv, dsinks)`` in float64, from ``do [Tq, HQ, D]`` and ``dlse [HQ, Tq]`` or None.
 
         dP = dO V^T,  Delta = <dO, o> - dlse,  dS = P (dP - Delta)
@@ -111,7 +111,7 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
     dsinks = torch.zeros(HQ, **f64)
     for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         qb, kb, vb, sink = _per_sequence_inputs(q, k, v, sinks, s0, s1, t0, t1)
-        p, lse_b, vis = _probabilities(qb, kb, sink, softmax_scale, left, right)
+        p, lse_b, vis = _probabilities(qb, kb, sink, softmax_scale, window)
         dob = do[s0:s1].double().transpose(0, 1)                               # [HQ, Lq, D]
         ob = _visible_sum(p, vb, vis)
         delta = (dob * ob).sum(-1)
@@ -123,7 +123,7 @@ def backward(do, dlse, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, softmax_scale
     return dq, dk, dv, dsinks
 
 
-def gradients(do, delta, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right):
+def gradients(do, delta, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window):
     """``(dq, dk, dv)`` in float64 from given row statistics: ``delta`` and ``lse`` ``[HQ, Tq]`` (the final
     ones of each row, which may see keys outside this call), ``P = exp(S - lse)`` over the visible keys."""
     HKV = k.shape[1]
@@ -132,7 +132,7 @@ def gradients(do, delta, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale
     for s0, s1, t0, t1 in _sequences(cu_seqlens_q, cu_seqlens_k):
         qb, kb, vb, _ = _per_sequence_inputs(q, k, v, None, s0, s1, t0, t1)
         Lq, Lk = s1 - s0, t1 - t0
-        vis = masks.visible(torch.arange(Lq, device=q.device), torch.arange(Lk, device=q.device), Lq, Lk, left, right)
+        vis = window.visible(torch.arange(Lq, device=q.device), torch.arange(Lk, device=q.device), Lq, Lk)
         s = softmax_scale * qb @ kb.transpose(1, 2)
         p = torch.where(vis, torch.exp(s - lse[:, s0:s1, None].double()), 0.0)
         dob = do[s0:s1].double().transpose(0, 1)

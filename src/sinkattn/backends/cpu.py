@@ -31,7 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import masks, sink
+from .. import sink
+from ..masks import Window
 from . import buffers, cpu_fused, cpu_native, cpu_small, cpu_tiles, layout, nonfinite
 from .capabilities import Capabilities
 from .layout import Sequences
@@ -92,21 +93,21 @@ class _Native(NamedTuple):
         return self.cu_q.numel() == 1
 
 
-def _native(batch, window, HQ: int) -> _Native:
+def _native(batch, window: Window, HQ: int) -> _Native:
     """The kernel's part of the call (``_Native``). A short sequence (``cpu_small.takes``: at most
     ``cpu_small.SHORT_LENGTH`` queries and keys) goes to ``cpu_small`` whatever it is packed with, many per
     tile (one kernel task each would cost far more than its attention), so a sequence's results depend on its
     own inputs only. Kept for the last few layouts: a model's layers, and a call's backward, share one."""
-    return _native_of(tuple(batch.cu_seqlens_q.tolist()), tuple(batch.cu_seqlens_k.tolist()), tuple(window), HQ)
+    return _native_of(tuple(batch.cu_seqlens_q.tolist()), tuple(batch.cu_seqlens_k.tolist()), window, HQ)
 
 
 @functools.lru_cache(maxsize=8)
-def _native_of(cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...], window: tuple[int, int], HQ: int):
+def _native_of(cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...], window: Window, HQ: int):
     cu_q, cu_k = torch.tensor(cu_seqlens_q, dtype=torch.int64), torch.tensor(cu_seqlens_k, dtype=torch.int64)
     Tq = cu_seqlens_q[-1]
     Lq, Lk = cu_q.diff(), cu_k.diff()
     seq = torch.repeat_interleave(torch.arange(Lq.numel()), Lq, output_size=Tq)
-    lo, hi = masks.row_key_bounds(torch.arange(Tq) - cu_q[seq], Lq[seq], Lk[seq], *window)
+    lo, hi = window.key_bounds(torch.arange(Tq) - cu_q[seq], Lq[seq], Lk[seq])
     bounds = torch.stack((lo, hi), 1)
     short = (Lq > 0) & cpu_small.takes(Lq, Lk, HQ)
     if not bool(short.any()):
@@ -139,9 +140,9 @@ kernel (``forward_small``): a fused-attention library call costs more than its a
 
 
 @functools.lru_cache(maxsize=64)
-def _row_bounds(Lq: int, Lk: int, window) -> torch.Tensor:
+def _row_bounds(Lq: int, Lk: int, window: Window) -> torch.Tensor:
     """int64 ``[Lq, 2]``: the keys ``[lo, hi)`` each query row of a sequence sees (``sinkattn.masks``)."""
-    return torch.stack(masks.row_key_bounds(torch.arange(Lq), Lq, Lk, *window), 1)
+    return torch.stack(window.key_bounds(torch.arange(Lq), Lq, Lk), 1)
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +179,7 @@ def forward_dense(q, k, v, sinks, window, softmax_scale):
             return Final(done[0], sink.Stats(done[1], done[2]), done[3]) if done else None
     if v.shape[-1] != q.shape[-1] or B == 0 or softmax_scale <= 0:        # the fused kernel takes one head dim
         return None
-    part = cpu_fused.single_part(Sq, k.shape[1], *window)
+    part = cpu_fused.single_part(Sq, k.shape[1], window)
     if part is None:
         return None
     q32, k32, v32 = _rows_contiguous(q), _rows_contiguous(k), _rows_contiguous(v)

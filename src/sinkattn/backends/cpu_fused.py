@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import masks
+from ..masks import Window
 from .layout import Run, Span, heads_first, stat_view, zero_unwritten
 
 __all__ = ["forward", "single_call", "single_part", "forward_heads_first", "plan", "BLOCK_M"]
@@ -76,7 +76,7 @@ class Part:
         return None
 
 
-def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tuple[Part, ...]:
+def plan(Lq: int, Lk: int, window: Window, block_m: int = BLOCK_M) -> tuple[Part, ...]:
     """The kernel calls that cover exactly the visible (i, j) pairs of one sequence, each row in one call.
 
     Not cached across calls: a plan is a walk over ``Lq / block_m`` blocks, and its band masks
@@ -84,19 +84,19 @@ def plan(Lq: int, Lk: int, left: int, right: int, block_m: int = BLOCK_M) -> tup
     keep a mask per length for good in packed training, whose lengths change every step."""
     if Lq == 0 or Lk == 0:
         return ()
-    if left < 0 and right < 0:
+    if window.unbounded:
         return (Part(0, Lq, 0, Lk),)
     offset = Lk - Lq
-    if left < 0 and right == 0 and offset <= 0:      # rows [0, -offset) see no key
+    if window == (-1, 0) and offset <= 0:      # causal alone: rows [0, -offset) see no key
         return (Part(-offset, Lq, 0, Lk, causal=True),)
     parts, band_masks = [], {}
-    for r0, r1, k0, k1, full in masks.row_blocks(Lq, Lk, left, right, block_m):
+    for r0, r1, k0, k1, full in window.row_blocks(Lq, Lk, block_m):
         if full:
             parts.append(Part(r0, r1, k0, k1))
             continue
         geometry = (r1 - r0, k1 - k0, r0 + (Lk - Lq) - k0)
         if geometry not in band_masks:
-            band_masks[geometry] = _band_mask(*geometry, left, right)
+            band_masks[geometry] = _band_mask(*geometry, window)
         mask, has_key = band_masks[geometry]
         parts.append(Part(r0, r1, k0, k1, mask=mask, has_key=has_key))
     return tuple(_runs(parts))
@@ -128,30 +128,30 @@ def _stat_windows(stat: torch.Tensor, i: int, part: Part) -> torch.Tensor:
     return stat[i, :, part.r0:part.r1].unflatten(1, (part.count, part.block_rows)).transpose(0, 1)
 
 
-def _band_mask(R: int, K: int, shift: int, left: int, right: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _band_mask(R: int, K: int, shift: int, window: Window) -> tuple[torch.Tensor, torch.Tensor]:
     """Additive mask ``[R, K]`` and row-has-key ``[R]`` of a block whose row ``a`` sits ``shift`` past
     key 0 of its range. Inside ``[k0, k1)`` the length limits never bind, so every block of the same
     geometry shares one mask (a long sliding-window sequence builds a handful, not one per block)."""
-    vis = masks.block_visible(R, K, shift, left, right)
+    vis = window.block_visible(R, K, shift)
     return torch.zeros(vis.shape).masked_fill_(~vis, _NEG_INF), vis.any(1)
 
 
-def single_call(split, window, all_keys: bool = False) -> tuple[Run, Part] | None:
+def single_call(split, window: Window, all_keys: bool = False) -> tuple[Run, Part] | None:
     """``(run, part)`` when one kernel call covers the whole batch (``split.single``: a dense batch or
     one sequence) without a mask: every row against the keys ``[part.k0, part.k1)`` (full or square
     causal attention, or a window that every row sees whole, as in decoding), else None.
     ``all_keys``: only a call that also covers every key."""
     run = split.single
-    part = None if run is None else single_part(run.Lq, run.Lk, *window)
+    part = None if run is None else single_part(run.Lq, run.Lk, window)
     if part is None or (all_keys and (part.k0, part.k1) != (0, run.Lk)):
         return None
     return run, part
 
 
 @functools.lru_cache(maxsize=64)
-def single_part(Lq: int, Lk: int, left: int, right: int) -> Part | None:
+def single_part(Lq: int, Lk: int, window: Window) -> Part | None:
     """The one unmasked part that covers every row of a sequence, or None when the plan needs more."""
-    parts = plan(Lq, Lk, left, right)
+    parts = plan(Lq, Lk, window)
     if len(parts) != 1 or parts[0].mask is not None or (parts[0].r0, parts[0].r1) != (0, Lq):
         return None
     return parts[0]
@@ -178,7 +178,7 @@ def _run_call(part, qg, kg, vg, og, lg, i, softmax_scale) -> None:
     _stat_windows(lg, i, part).copy_(lse)
 
 
-def forward(q, k, v, runs, out, lse_keys, softmax_scale, window):
+def forward(q, k, v, runs, out, lse_keys, softmax_scale, window: Window):
     """Fill fp32 ``out [Tq, HQ, D]`` and ``lse_keys [HQ, Tq]`` on the rows of ``runs`` from fp32
     ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``: the softmax over visible keys only (``lse_keys = -inf``,
     ``o = 0`` on rows that see none)."""
@@ -187,7 +187,7 @@ def forward(q, k, v, runs, out, lse_keys, softmax_scale, window):
         kg, vg = heads_first(k, run.tk, run.n, run.Lk), heads_first(v, run.tk, run.n, run.Lk)
         lg = stat_view(lse_keys, run.tq, run.n, run.Lq)
         rows = Span()
-        for part in plan(run.Lq, run.Lk, *window):
+        for part in plan(run.Lq, run.Lk, window):
             rows.take(part.r0, part.r1)
             if part.count > 1:           # a run of same-geometry blocks: one call per batch item
                 for i in range(run.n):

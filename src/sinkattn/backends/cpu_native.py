@@ -26,7 +26,7 @@ the backward) when ``SINKATTN_CPU_PRODUCTS`` says so: ``bf16`` takes bf16 x bf16
 values, fp32 sums), ``P`` rounded to bf16 in ``P V`` and ``P``, ``dS`` split as ``hi + lo`` (each bf16) in
 ``dQ``, ``dK`` and ``dV``, the rounding that keeps the precision standard; ``fp32`` never does;
 ``auto`` (default) does on a CPU with AMX tiles while PyTorch dispatches to AVX512 there and oneMKL is
-not held below AMX (``sinkattn.testing.isa``).
+not held below AMX (``sinkattn.backends.isa``).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ def check_settings() -> str:
 
 def _matrix_units() -> bool:
     """Whether bf16 products run on AMX tiles here: the CPU has them, and neither PyTorch's dispatch nor
-    oneMKL is held below them (``sinkattn.testing.isa``)."""
-    from ..testing import isa
+    oneMKL is held below them (``sinkattn.backends.isa``)."""
+    from . import isa
     return (torch.cpu._is_amx_tile_supported() and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AMX")
             and isa.matrix_units_allowed())
 

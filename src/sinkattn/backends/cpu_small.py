@@ -4,7 +4,7 @@ A sequence of a packed batch is short (``takes``) when it has at most ``SHORT_LE
 keys. One kernel call per such sequence would cost far more than its attention (a 1-3 token
 sequence: about 45 us for a few hundred flops); instead the short sequences of a call are gathered
 into buckets of one padded shape ``(Pq, Pk) = (padded_length(Lq), padded_length(K))`` (``K``: the
-keys its rows can see, ``masks.block_key_range``), zero-filled and masked past each sequence's own
+keys its rows can see, ``Window.block_key_range``), zero-filled and masked past each sequence's own
 lengths, and each bucket's ``[Pq, Pk]`` scores are materialized at once as one tile of
 ``cpu_tiles`` (same algebra, exact at any score size); results are scattered back to the token layout. (A dense batch,
 whose sequences share their lengths, and a run of consecutive equal-length sequences are one kernel
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import masks
+from ..masks import Window
 from .cpu_tiles import (Dominant, TileMask, block_ds, block_forward, block_probabilities, block_products, row_scale,
                         row_sums, score_scale)
 from .layout import Sequences, token_ranges
@@ -123,24 +123,24 @@ class _Gathered:
             dst.index_fill_(0, self.unseen, 0.0)
 
 
-def _gathered(seqs: Sequences, k0: torch.Tensor, k1: torch.Tensor, Pq: int, Pk: int, HKV: int, left: int,
-              right: int) -> _Gathered:
+def _gathered(seqs: Sequences, k0: torch.Tensor, k1: torch.Tensor, Pq: int, Pk: int, HKV: int,
+              window: Window) -> _Gathered:
     """One bucket of ``seqs``, whose rows see the keys ``[k0, k1)`` (int64 ``[n]``), padded to ``(Pq, Pk)``."""
     i, j = torch.arange(Pq), torch.arange(Pk)
     row_ok = i < seqs.Lq[:, None]
     slot_ok = j < (k1 - k0)[:, None]
     rows = torch.where(row_ok, seqs.tq[:, None] + i, 0)          # padding reads token 0, then zeroed
     slots = torch.where(slot_ok, (seqs.tk + k0)[:, None] + j, 0)
-    seen = masks.visible(i, (k0[:, None] + j)[:, None, :], seqs.Lq[:, None], seqs.Lk[:, None], left, right)
+    seen = window.visible(i, (k0[:, None] + j)[:, None, :], seqs.Lq[:, None], seqs.Lk[:, None])
     mask = seen & row_ok[:, :, None] & slot_ok[:, None, :]
     unseen = torch.cat([token_ranges(seqs.tk, k0), token_ranges(seqs.tk + k1, seqs.Lk - k1)])
     return _Gathered(rows, row_ok, slots, slot_ok, mask, unseen, HKV)
 
 
-def _gathered_batches(seqs: Sequences, HQ: int, HKV: int, left: int, right: int):
+def _gathered_batches(seqs: Sequences, HQ: int, HKV: int, window: Window):
     """Buckets of one padded shape, in a fixed order, each cut to at most ``SLAB_ELEMENTS`` scores."""
-    k0, _ = masks.row_key_bounds(torch.zeros_like(seqs.Lq), seqs.Lq, seqs.Lk, left, right)
-    _, k1 = masks.row_key_bounds(seqs.Lq - 1, seqs.Lq, seqs.Lk, left, right)
+    k0, _ = window.key_bounds(torch.zeros_like(seqs.Lq), seqs.Lq, seqs.Lk)
+    _, k1 = window.key_bounds(seqs.Lq - 1, seqs.Lq, seqs.Lk)
     k1 = torch.maximum(k0, k1)
     Pq, Pk = padded_length(seqs.Lq), padded_length(k1 - k0)
     order = torch.sort(Pq * (Pk.max() + 1) + Pk, stable=True)
@@ -153,12 +153,12 @@ def _gathered_batches(seqs: Sequences, HQ: int, HKV: int, left: int, right: int)
         for b0 in range(0, count, step):
             chunk = index[b0:b0 + step]
             part = Sequences(seqs.tq[chunk], seqs.tk[chunk], seqs.Lq[chunk], seqs.Lk[chunk])
-            yield _gathered(part, k0[chunk], k1[chunk], pq, pk, HKV, left, right)
+            yield _gathered(part, k0[chunk], k1[chunk], pq, pk, HKV, window)
         start += count
 
 
-def _batches(small: Sequences | None, HQ: int, HKV: int, left: int, right: int):
-    return () if small is None else _gathered_batches(small, HQ, HKV, left, right)
+def _batches(small: Sequences | None, HQ: int, HKV: int, window: Window):
+    return () if small is None else _gathered_batches(small, HQ, HKV, window)
 
 
 def _group_mask(mask: torch.Tensor, G: int) -> TileMask:
@@ -177,7 +177,7 @@ def forward(q, k, v, small, out, m, log_l, softmax_scale, window, literal=False)
     its own inputs only (its padded shape is a function of its lengths)."""
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
-    for batch in _batches(small, HQ, HKV, *window):
+    for batch in _batches(small, HQ, HKV, window):
         o, mb, lb = block_forward(_scaled(batch.queries(q), softmax_scale),
                                   [(batch.keys(k), batch.keys(v), _group_mask(batch.mask, G), literal)],
                                   score_scale(softmax_scale))
@@ -194,7 +194,7 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, small, dq, dk, dv, s
     HQ, HKV = q.shape[1], k.shape[1]
     G = HQ // HKV
     post = score_scale(softmax_scale)
-    for batch in _batches(small, HQ, HKV, *window):
+    for batch in _batches(small, HQ, HKV, window):
         qs, dos, kb, mask = _scaled(batch.queries(q), softmax_scale), batch.queries(do), batch.keys(k), (
             _group_mask(batch.mask, G))
         p, dp = block_probabilities(qs, kb, batch.keys(v), dos, batch.stat(m)[..., None], batch.stat(inv_l)[..., None],

@@ -57,7 +57,7 @@ from functools import cached_property
 
 import torch
 
-from .. import masks
+from ..masks import Window
 from .layout import Span, heads_first, stat_view, zero_unwritten
 from .nonfinite import visible_matmul
 
@@ -325,26 +325,26 @@ class Dominant:
         dk.scatter_add_(-2, index, fix * qs)
 
 
-def _tiles(n: int, HQ: int, G: int, Lq: int, Lk: int, left: int, right: int):
+def _tiles(n: int, HQ: int, G: int, Lq: int, Lk: int, window: Window):
     """Per row block ``(r0, r1, [(c0, c1, mask), ...])``: its chunks of visible keys, each with its
     ``TileMask`` (``[G*R, C]``, stacked rows) or None when every row sees the whole chunk."""
     R = rows_per_block(n, HQ, Lk)
-    for r0, r1, k0, k1, _ in masks.row_blocks(Lq, Lk, left, right, R):
+    for r0, r1, k0, k1, _ in window.row_blocks(Lq, Lk, R):
         chunks = []
         for c0 in range(k0, k1, BN):
             c1 = min(c0 + BN, k1)
             mask = None
-            if not masks.block_fully_visible(r0, r1, c0, c1, Lq, Lk, left, right):
-                mask = _tile_mask(r1 - r0, c1 - c0, r0 + Lk - Lq - c0, left, right, G)
+            if not window.block_fully_visible(r0, r1, c0, c1, Lq, Lk):
+                mask = _tile_mask(r1 - r0, c1 - c0, r0 + Lk - Lq - c0, window, G)
             chunks.append((c0, c1, mask))
         yield r0, r1, chunks
 
 
 @functools.lru_cache(maxsize=64)
-def _tile_mask(R: int, C: int, shift: int, left: int, right: int, G: int) -> TileMask:
-    """``masks.block_visible`` for the stacked rows of a tile, shared by the tiles of one geometry across calls
+def _tile_mask(R: int, C: int, shift: int, window: Window, G: int) -> TileMask:
+    """``Window.block_visible`` for the stacked rows of a tile, shared by the tiles of one geometry across calls
     (the diagonal tiles of a causal sequence have a handful of geometries)."""
-    return TileMask(masks.block_visible(R, C, shift, left, right).repeat(G, 1))
+    return TileMask(window.block_visible(R, C, shift).repeat(G, 1))
 
 
 def _run_views(q, k, v, run):
@@ -353,7 +353,7 @@ def _run_views(q, k, v, run):
     return qh, heads_first(k, run.tk, run.n, run.Lk).contiguous(), heads_first(v, run.tk, run.n, run.Lk).contiguous()
 
 
-def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window, literal: bool = False):
+def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window: Window, literal: bool = False):
     """Fill fp32 ``out [Tq, HQ, D]`` (softmax over keys), ``m``/``log_l [HQ, Tq]`` on the rows of ``runs``
     from fp32 ``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``; rows without keys get ``o = 0``, ``log_l = -inf``."""
     HQ, HKV = q.shape[1], k.shape[1]
@@ -363,7 +363,7 @@ def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window, literal:
         og = heads_first(out, run.tq, run.n, run.Lq)
         mg, lg = stat_view(m, run.tq, run.n, run.Lq), stat_view(log_l, run.tq, run.n, run.Lq)
         rows = Span()
-        for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, *window):
+        for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, window):
             qs = stacked_rows(qh[:, :, r0:r1], HKV, row_scale(softmax_scale))
             o, mb, lb = block_forward(qs, ((kh[:, :, c0:c1], vh[:, :, c0:c1], mask, literal)
                                            for c0, c1, mask in chunks), score_scale(softmax_scale))
@@ -375,7 +375,7 @@ def forward(q, k, v, runs, out, m, log_l, softmax_scale: float, window, literal:
         zero_unwritten(rows, run.Lq, lg, value=_NEG_INF)
 
 
-def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, runs, dq, dk, dv, softmax_scale: float, window,
+def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, runs, dq, dk, dv, softmax_scale: float, window: Window,
              literal: bool = False, exact: bool = False):
     """Fill fp32 ``dq``, ``dk``, ``dv`` on the tokens of ``runs`` from fp32 ``do [Tq, HQ, D]``, the final
     statistics ``m``, ``inv_l = 1 / l`` and ``delta = <dO, o> - dlse``, all ``[HQ, Tq]``.
@@ -397,7 +397,7 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, runs, dq, dk, dv, so
         dlse_r, sink_r = (stat_view(s, run.tq, run.n, run.Lq) if s is not None else None for s in (dlse, sink_mass))
         dkh, dvh = torch.zeros_like(kh), torch.zeros_like(vh)
         rows = Span()
-        for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, *window):
+        for r0, r1, chunks in _tiles(run.n, HQ, G, run.Lq, run.Lk, window):
             qs = stacked_rows(qh[:, :, r0:r1], HKV, row_scale(softmax_scale))
             dos = stacked_rows(doh[:, :, r0:r1], HKV)
             mb, lb = (stack_group(s[:, :, r0:r1, None], HKV) for s in (m_r, inv_l_r))

@@ -26,7 +26,7 @@ CAPABILITIES = Capabilities(
 
 def forward(q, k, v, batch, window, softmax_scale, for_backward):
     """``Partial(o [Tq, HQ, D] float64, Stats [HQ, Tq] float64)`` over keys."""
-    o, lse = reference.forward(q, k, v, None, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale, *window)
+    o, lse = reference.forward(q, k, v, None, batch.cu_seqlens_q, batch.cu_seqlens_k, softmax_scale, window)
     return Partial(o, sink.stats_of_lse(lse))
 
 
@@ -35,4 +35,4 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     delta = sink.row_delta(do.double(), o.double(), dlse).double()
     lse = stats.m.double() + stats.log_l.double()
     return Gradients(*reference.gradients(do, delta, lse, q, k, v, batch.cu_seqlens_q, batch.cu_seqlens_k,
-                                          softmax_scale, *window), delta)
+                                          softmax_scale, window), delta)

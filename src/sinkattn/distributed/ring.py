@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import autocast, autodiff, backends, masks, ops, sink
+from .. import autocast, autodiff, backends, ops, sink
 from ..call import Call
 from ..masks import Window
 from .group import Exchange, Group
@@ -104,13 +104,13 @@ def plan(lengths: list[int], P: int, layout: str, rank: int, source: int, window
             for r0 in range(0, c, max(1, TILE_ROWS // n)):
                 m = min(max(1, TILE_ROWS // n), c - r0)
                 for y, b in enumerate(chunk_ids(source, P, layout)):
-                    cut = masks.sub_block(a * c + r0, m, b * c, c, *window)
+                    cut = window.sub_block(a * c + r0, m, b * c, c)
                     if cut is None:
                         continue
-                    rows, keys, l2, r2 = cut
+                    rows, keys, tile_window = cut
                     tiles.append(Tile(Rows(first + x * c + r0, length // P, n, rows),
                                       Rows(first + y * c, length // P, n, keys),
-                                      (steps * rows).to(device), (steps * keys).to(device), Window(l2, r2)))
+                                      (steps * rows).to(device), (steps * keys).to(device), tile_window))
     return tiles
 
 

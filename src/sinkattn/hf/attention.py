@@ -80,8 +80,8 @@ def _pattern_mask(mask: torch.Tensor, Sq: int, Sk: int, options) -> torch.Tensor
     if mask.dtype != torch.bool or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (Sq, Sk):
         raise ValueError(f"sinkattn.hf cannot express a 4-D mask of shape {tuple(mask.shape)} and dtype {mask.dtype} "
                          f"for {Sq} queries and {Sk} keys; pass a 2-D padding mask [B, S] (or none) instead, {_EAGER}")
-    left, right = Window.of(options["causal"], options["window_size"])
-    slots = pattern_keys(mask, left, right)
+    window = Window.of(options["causal"], options["window_size"])
+    slots = pattern_keys(mask, window.left, window.right)      # an op: its schema takes ints
     return slots if Sq < Sk else slots > 0
 
 
@@ -227,7 +227,8 @@ def _local(q, k, v, attention_mask, kwargs, options):
         attention_mask = _pattern_mask(attention_mask.expand(B, -1, -1, -1), Sq, k.shape[1], options)
     if attention_mask is not None:
         mask, q_end = _real_keys(attention_mask, k, Sq)
-        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]   # a static cache's unwritten slots follow the n columns
+        if mask.shape[1] != k.shape[1]:                     # a static cache's unwritten slots follow the n columns
+            k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     lay = _sequences(mask, kwargs.get("position_ids"), B, Sq, k.shape[1], q.device, q_end)
     if lay is not None:
         if options["window_size"] != (-1, -1) and not lay.contiguous:

@@ -183,11 +183,11 @@ def memoized(build, tensors: tuple, *extra):
     their host read-back to one per pass. Not used under ``torch.compile`` tracing.
     """
     key = (build, *(id(t) for t in tensors), *extra)
-    state = tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
     hit = _MEMO.get(key)
     if hit is not None and all(h is None if t is None else (h[0]() is t and h[1] == t._version)
                                for h, t in zip(hit[0], tensors)):
         return hit[1]
+    state = tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
     value = build(*tensors, *extra)
     if len(_MEMO) >= _MEMO_SIZE:
         _MEMO.pop(next(iter(_MEMO)))

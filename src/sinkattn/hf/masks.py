@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from .. import masks as core
+from ..masks import Window
 from . import layout
 
 __all__ = ["key_mask", "pattern_window", "padding_on_one_side", "static_cache_keys", "pattern_keys", "visible",
@@ -217,7 +217,7 @@ def pattern_keys(mask: torch.Tensor, left: int, right: int) -> torch.Tensor:
     if Sq < Sk:
         cols = torch.nonzero(seen.any(0))
         n = max(int(cols.max()) + 1 if cols.numel() else 0, Sq)
-    vis = core.visible(torch.arange(Sq, device=mask.device), torch.arange(n, device=mask.device), Sq, n, left, right)
+    vis = Window(left, right).visible(torch.arange(Sq, device=mask.device), torch.arange(n, device=mask.device), Sq, n)
     if not torch.equal(mask[:, 0, :, :n], vis[None] & seen[:, None, :n]) or seen[:, n:].any():
         raise ValueError(NOT_THE_PATTERN)
     slots = seen.to(torch.int8)

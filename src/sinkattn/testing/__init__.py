@@ -1,4 +1,5 @@
-"""What checks and times the library, apart from the library itself.
+"""What checks and times the library, apart from the library itself: what users call in their own tests,
+and what the ``sinkattn`` command (``sinkattn verify``, ``sinkattn bench``) runs.
 
 * ``precision``: the gates of the precision standard (docs/contract.md §4);
 * ``cases``: the level tables (§5) as data, and seeded inputs;
@@ -7,5 +8,6 @@
 * ``bench``, ``flops``: timing against peers in one run, FLOPs of visible pairs;
 * ``options``: the ``sinkattn`` command's option values, each checked before any work.
 
-Nothing in the library core (``sinkattn.interface`` and below) imports from here.
+Nothing in the library (``sinkattn`` but this package and ``__main__``) imports from here, and nothing
+here imports the test harness (``tests/harness``: launchers, audits, test models; not shipped).
 """

@@ -7,7 +7,7 @@ Providers (each says why when it cannot run a problem):
 * ``sdpa_lse``  PyTorch's fused kernel returning its log-sum-exp, corrected for the sink
   (``o * exp(lse - logaddexp(lse, sink))``): the same forward function. PyTorch does not
   differentiate through that lse, so its backward misses the lse path (timed all the same);
-* ``eager``     Hugging Face gpt-oss eager sink attention (``sinkattn.eager``), scores materialized;
+* ``eager``     Hugging Face gpt-oss eager sink attention (``sinkattn.testing.eager``), scores materialized;
 * ``flex_lse``  FlexAttention with its lse and the same correction (CUDA only);
 * ``flash_attn`` flash-attn's ``flash_attn_func``, no sinks (CUDA, when installed).
 
@@ -15,7 +15,7 @@ Every time is kept as the min, median and max of ``repeats`` runs after ``warmup
 runs, with providers interleaved so they share the machine's noise; ratios and FLOP
 rates use the medians; ``noise_warning`` says when the spread (max - min over the
 median) passes ``NOISE_LIMIT``, enough to turn a ratio. FLOP rates count visible
-pairs only (``sinkattn.flops``); peak memory is the growth over the run (CUDA
+pairs only (``sinkattn.testing.flops``); peak memory is the growth over the run (CUDA
 allocator peak, or the process's peak RSS on CPU).
 """
 
@@ -34,8 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import __version__
+from ..backends import isa
 from ..interface import sink_attn_func, sink_attn_varlen_func
-from . import eager, flops, isa
+from ..masks import Window
+from . import eager, flops
 
 __all__ = ["Problem", "Row", "Spread", "CONFIGS", "PROVIDERS", "MODES", "MODE_NAMES", "NOISE_LIMIT", "run", "header",
            "time_repeats", "time_interleaved", "noise_warning", "common_label", "sinkattn_step", "sinkattn_provider",
@@ -110,8 +112,8 @@ class Problem:
         return 2 * sum(self.seq_lens) * (2 * self.HQ + 2 * self.HKV) * self.D * self.torch_dtype.itemsize
 
     def flops(self, mode: str) -> float:
-        left, right = self.window[0], 0 if self.causal else self.window[1]
-        return flops.attention_flops(self.seq_lens, self.seq_lens, self.HQ, self.D, left, right, mode)
+        window = Window.of(self.causal, self.window)
+        return flops.attention_flops(self.seq_lens, self.seq_lens, self.HQ, self.D, window, mode)
 
 
 @dataclass
@@ -575,7 +577,7 @@ def header(device="cpu") -> dict:
                 python=platform.python_version(), torch=torch.__version__, sinkattn=__version__,
                 commit=_commit())
     ceiling = isa.ceiling()
-    if ceiling is not None:                # a process held to a narrower instruction set (``sinkattn.testing.isa``)
+    if ceiling is not None:                # a process held to a narrower instruction set (``tests/harness/isa.py``)
         info["ceiling"] = ceiling
     try:
         import triton

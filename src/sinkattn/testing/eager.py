@@ -23,12 +23,12 @@ def sink_attention_dense(q, k, v, sinks=None, softmax_scale=None, causal=False, 
     B, Sq, HQ, D = q.shape
     Sk, HKV = k.shape[1], k.shape[2]
     scale = defaults.softmax_scale(D, softmax_scale)
-    left, right = masks.Window.of(causal, window_size)
+    window = masks.Window.of(causal, window_size)
     qh = q.transpose(1, 2)                                                     # [B, HQ, Sq, D]
     kh = k.transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)                 # [B, HQ, Sk, D]
     vh = v.transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)
     scores = torch.matmul(qh, kh.transpose(2, 3)) * scale                      # [B, HQ, Sq, Sk]
-    vis = masks.visible(torch.arange(Sq, device=q.device), torch.arange(Sk, device=q.device), Sq, Sk, left, right)
+    vis = window.visible(torch.arange(Sq, device=q.device), torch.arange(Sk, device=q.device), Sq, Sk)
     scores = scores.masked_fill(~vis, float("-inf"))
     sink_col = (sinks.to(q.dtype) if sinks is not None else torch.full((HQ,), float("-inf"), dtype=q.dtype,
                                                                       device=q.device))

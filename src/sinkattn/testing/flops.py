@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from .. import masks
+from ..masks import Window
 
 __all__ = ["visible_pairs", "attention_flops"]
 
 _PER_PAIR = {"fwd": 4, "bwd": 10, "fwdbwd": 14}
 
 
-def visible_pairs(q_lens, k_lens, left: int, right: int) -> int:
+def visible_pairs(q_lens, k_lens, window: Window) -> int:
     """Number of visible ``(i, j)`` pairs summed over sequences (one head)."""
     total = 0
     for Lq, Lk in zip(q_lens, k_lens):
         if Lq == 0 or Lk == 0:
             continue
-        lo, hi = masks.row_key_bounds(torch.arange(Lq), Lq, Lk, left, right)
+        lo, hi = window.key_bounds(torch.arange(Lq), Lq, Lk)
         total += int((hi - lo).clamp(min=0).sum())
     return total
 
 
-def attention_flops(q_lens, k_lens, HQ: int, D: int, left: int, right: int, mode: str) -> float:
+def attention_flops(q_lens, k_lens, HQ: int, D: int, window: Window, mode: str) -> float:
     """FLOPs of ``mode`` in ``fwd`` / ``bwd`` / ``fwdbwd`` for a packed batch."""
-    return float(_PER_PAIR[mode] * visible_pairs(q_lens, k_lens, left, right) * HQ * D)
+    return float(_PER_PAIR[mode] * visible_pairs(q_lens, k_lens, window) * HQ * D)

@@ -98,9 +98,9 @@ def _as_fp32(x: Inputs) -> Inputs:
 
 def golden(case: Case, x: Inputs):
     """``[o, lse, dq, dk, dv, (dsinks)]`` in float64 from the reference."""
-    left, right = Window.of(case.causal, case.window_size)
+    window = Window.of(case.causal, case.window_size)
     scale = defaults.softmax_scale(case.D)
-    args = (x.q, x.k, x.v, x.sinks, x.cu_seqlens_q, x.cu_seqlens_k, scale, left, right)
+    args = (x.q, x.k, x.v, x.sinks, x.cu_seqlens_q, x.cu_seqlens_k, scale, window)
     o, lse = reference.forward(*args)
     dq, dk, dv, dsinks = reference.backward(x.do, x.dlse, *args)
     return [o, lse, dq, dk, dv] + ([dsinks] if x.sinks is not None else [])

@@ -137,7 +137,7 @@ def forward(q, k, v, batch, window, softmax_scale, for_backward):
     if N > 0 and Tq > 0:
         max_q = _max_lens(q, k, batch)[0]
         launch.forward(q, k, v, _NO_SINKS(HQ, q.device), out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k,
-                       softmax_scale, *window, max_q, chip, _compensated(q.dtype),
+                       softmax_scale, window, max_q, chip, _compensated(q.dtype),
                        _upcast(q.dtype))()
     log2_l = torch.where(m2 == float("inf"), float("inf"), log2_l)    # a +inf score: lse = +inf (l is NaN)
     return Partial(_unpadded(out, Dv), sink.Stats(m2, log2_l))
@@ -170,9 +170,9 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     for exact_delta in (False, True) if N > 0 and Tq > 0 else ():
         # the one whose exact_delta matches the flag computes dq; before dK/dV, as the exact one
         # writes the Delta that dK/dV reads
-        launch.dq(*tensors, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_q, chip,
+        launch.dq(*tensors, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, max_q, chip,
                   compensated, upcast, exact, exact_delta)()
     if N > 0 and Tk > 0:
-        launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, *window, max_k, chip,
+        launch.dkdv(*tensors, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, window, max_k, chip,
                     compensated, upcast)()
     return Gradients(_unpadded(dq, D), _unpadded(dk, D), _unpadded(dv, Dv), delta)

@@ -1,7 +1,7 @@
 """Block sizes, warps and stages per GPU generation, kernel, dtype class and head dim.
 
 Every entry of ``TABLE`` is compiled for its generation's chip by the resource audit
-(``python -m sinkattn.testing.triton_audit``, recorded in ``benchmarks/results/triton-audit.json``,
+(``tests/harness/triton_audit.py``, recorded in ``benchmarks/results/triton-audit.json``,
 summed up in docs/backends.md): none needs more shared memory than the chip has, and no fp16 / bf16
 entry spills registers. The entries were chosen for those budgets; GPU speed is another matter,
 measured by ``benchmarks/gpu.py`` where a GPU is at hand.

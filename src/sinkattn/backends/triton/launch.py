@@ -2,7 +2,8 @@
 
 The launchers build a plan and run it; the resource audit builds the same plans from example
 tensors and compiles them for each chip instead, so what is audited is what is launched.
-Tensors arrive as the kernels take them: contiguous, head dim ``D`` padded to ``BLOCK_D``.
+Tensors arrive as the kernels take them: contiguous, head dim ``D`` padded to ``BLOCK_D``; the mask's
+``Window`` becomes the kernels' int arguments ``left``, ``right`` here.
 ``blocks`` overrides the table's tile (the GPU benchmark's sweep).
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ...masks import Window
 from . import kernels
 from .config import Blocks, block_d, blocks_for, pack_heads
 
@@ -66,8 +68,8 @@ def _packed_grid(G: int, HKV: int, N: int, max_q: int, b: Blocks) -> dict:
     return dict(G=G, GH=GH, N=N, HT=HKV * (G // GH), NB=triton.cdiv(max_q, b.BM // GH), CHUNK=kernels.CHUNK)
 
 
-def forward(q, k, v, sinks, out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_q,
-            chip, compensated, upcast, blocks: Blocks | None = None) -> Launch:
+def forward(q, k, v, sinks, out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window,
+            max_q, chip, compensated, upcast, blocks: Blocks | None = None) -> Launch:
     """``q [Tq, HQ, D]``, ``k``/``v [Tk, HKV, D]``, ``sinks [HQ]`` fp32 (-inf for none) ->
     ``out [Tq, HQ, D]``, ``lse``/``m2``/``log2_l [HQ, Tq]`` fp32."""
     HQ, D = q.shape[1:]
@@ -77,7 +79,7 @@ def forward(q, k, v, sinks, out, lse, m2, log2_l, cu_seqlens_q, cu_seqlens_k, so
     args = dict(Q=q, K=k, V=v, SINKS=sinks, O=out, LSE=lse, M2=m2, L2=log2_l, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
                 stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                 stride_vt=v.stride(0), stride_vh=v.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-                stride_lh=lse.stride(0), scale_log2=softmax_scale * LOG2E, left=left, right=right, **grid,
+                stride_lh=lse.stride(0), scale_log2=softmax_scale * LOG2E, left=window.left, right=window.right, **grid,
                 BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))
     return Launch(kernels.fwd_kernel, args, b, programs=grid["NB"] * N * grid["HT"])
 
@@ -92,15 +94,15 @@ def delta(out, do, dlse, delta, chip) -> Launch:
     return Launch(kernels.delta_kernel, args, b, grid=(triton.cdiv(Tq, b.BM), HQ))
 
 
-def _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right) -> dict:
+def _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window) -> dict:
     return dict(Q=q, K=k, V=v, DO=do, M2=m2, L2=log2_l, DELTA=delta, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_k,
                 stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kt=k.stride(0), stride_kh=k.stride(1),
                 stride_vt=v.stride(0), stride_vh=v.stride(1), stride_dot=do.stride(0), stride_doh=do.stride(1),
                 stride_lh=delta.stride(0), scale_log2=softmax_scale * LOG2E, softmax_scale=softmax_scale,
-                left=left, right=right)
+                left=window.left, right=window.right)
 
 
-def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_q,
+def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window, max_q,
        chip, compensated, upcast, exact, exact_delta, blocks: Blocks | None = None) -> Launch:
     """``dq [Tq, HQ, D]`` fp32, computed where the device flag ``exact`` (int32 ``[1]``,
     ``scores.large_scores_flag``) equals ``exact_delta``; elsewhere every program returns at once.
@@ -109,7 +111,7 @@ def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, sof
     HKV, N, D = k.shape[1], cu_seqlens_q.numel() - 1, q.shape[2]
     b = blocks or blocks_for(chip, "dq", D, q.dtype)
     grid = _packed_grid(q.shape[1] // HKV, HKV, N, max_q, b)
-    args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+    args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, window)
     args.update(DLSE=dlse if dlse is not None else delta, EXACT=exact, DQ=dq, stride_dqt=dq.stride(0),
                 stride_dqh=dq.stride(1), **grid, BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN,
                 **_numerics(q.dtype, compensated, upcast), EXACT_DELTA=exact_delta,
@@ -117,13 +119,13 @@ def dq(q, k, v, do, m2, log2_l, dlse, delta, dq, cu_seqlens_q, cu_seqlens_k, sof
     return Launch(kernels.dq_kernel, args, b, programs=grid["NB"] * N * grid["HT"])
 
 
-def dkdv(q, k, v, do, m2, log2_l, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right, max_k,
-         chip, compensated, upcast, blocks: Blocks | None = None) -> Launch:
+def dkdv(q, k, v, do, m2, log2_l, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, window: Window,
+         max_k, chip, compensated, upcast, blocks: Blocks | None = None) -> Launch:
     """``dk``/``dv [Tk, HKV, D]`` fp32, each summed over the group's ``G`` query heads in order."""
     HKV, N, D = k.shape[1], cu_seqlens_q.numel() - 1, q.shape[2]
     b = blocks or blocks_for(chip, "dkdv", D, q.dtype)
     NB = triton.cdiv(max_k, b.BN)
-    args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+    args = _backward_args(q, k, v, do, m2, log2_l, delta, cu_seqlens_q, cu_seqlens_k, softmax_scale, window)
     args.update(DK=dk, DV=dv, stride_dkt=dk.stride(0), stride_dkh=dk.stride(1), stride_dvt=dv.stride(0),
                 stride_dvh=dv.stride(1), G=q.shape[1] // HKV, N=N, HT=HKV, NB=NB, CHUNK=kernels.CHUNK,
                 BLOCK_D=_block_d(q), BM=b.BM, BN=b.BN, **_numerics(q.dtype, compensated, upcast))

@@ -1,6 +1,6 @@
 """Which blocks the kernels visit, and which of them run the mask: the host-side mirror of the
 kernels' loops (``kernels._block_split``), for the reports and for the tests that hold the split
-to the mask rule of ``sinkattn.masks``.
+to the mask rule of ``sinkattn.masks.Window``.
 
 A forward or dQ tile holds ``PM = BM // GH`` positions; it visits key blocks ``[b0, b1)`` of ``BN``
 keys, the interior ones ``[i0, i1)`` (every position sees every key of the block) without the mask.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ... import masks
+from ...masks import Window
 from .config import Blocks, pack_heads
 
 __all__ = ["split", "Counts", "count_blocks"]
@@ -32,25 +32,17 @@ def split(lo_any: int, hi_any: int, lo_all: int, hi_all: int, B: int) -> tuple[i
     return b0, b1, i0, i1
 
 
-def query_tile_blocks(p0: int, p1: int, Lq: int, Lk: int, left: int, right: int, BN: int):
+def query_tile_blocks(p0: int, p1: int, Lq: int, Lk: int, window: Window, BN: int):
     """``(b0, b1, i0, i1)`` of the positions ``[p0, p1)`` (``p1 <= Lq``) of a forward / dQ tile."""
-    lo_any, hi_all = masks.row_key_bounds(p0, Lq, Lk, left, right)
-    lo_all, hi_any = masks.row_key_bounds(p1 - 1, Lq, Lk, left, right)
+    lo_any, hi_all = window.key_bounds(p0, Lq, Lk)
+    lo_all, hi_any = window.key_bounds(p1 - 1, Lq, Lk)
     return split(lo_any, hi_any, lo_all, hi_all, BN)
 
 
-def _key_row_bounds(j: int, Lq: int, Lk: int, left: int, right: int) -> tuple[int, int]:
-    """Rows ``[i_lo, i_hi)`` that see key ``j``: the inverse of ``masks.row_key_bounds``."""
-    offset = Lk - Lq
-    i_lo = max(j - offset - right, 0) if right >= 0 else 0
-    i_hi = min(j - offset + left + 1, Lq) if left >= 0 else Lq
-    return i_lo, i_hi
-
-
-def key_block_rows(n0: int, n1: int, Lq: int, Lk: int, left: int, right: int, BM: int):
+def key_block_rows(n0: int, n1: int, Lq: int, Lk: int, window: Window, BM: int):
     """``(b0, b1, i0, i1)`` in row blocks of ``BM`` for the keys ``[n0, n1)`` (``n1 <= Lk``) of a dK/dV program."""
-    lo_any, hi_all = _key_row_bounds(n0, Lq, Lk, left, right)
-    lo_all, hi_any = _key_row_bounds(n1 - 1, Lq, Lk, left, right)
+    lo_any, hi_all = window.row_bounds(n0, Lq, Lk)
+    lo_all, hi_any = window.row_bounds(n1 - 1, Lq, Lk)
     if hi_all >= Lq:
         hi_all = _cdiv(Lq, BM) * BM
     return split(lo_any, hi_any, lo_all, hi_all, BM)
@@ -73,17 +65,17 @@ class Counts:
         self.cut += times * ((i0 - b0) + (b1 - i1))
 
 
-def count_blocks(kernel: str, q_lens, k_lens, left: int, right: int, blocks: Blocks, HQ: int, HKV: int) -> Counts:
+def count_blocks(kernel: str, q_lens, k_lens, window: Window, blocks: Blocks, HQ: int, HKV: int) -> Counts:
     """The pairs ``kernel`` (``fwd``, ``dq`` or ``dkdv``) visits on a batch of sequences."""
     G = HQ // HKV
     counts = Counts()
     for Lq, Lk in zip(q_lens, k_lens):
         if kernel == "dkdv":
             for n0 in range(0, Lk, blocks.BN):
-                counts.add(*key_block_rows(n0, min(n0 + blocks.BN, Lk), Lq, Lk, left, right, blocks.BM), times=HQ)
+                counts.add(*key_block_rows(n0, min(n0 + blocks.BN, Lk), Lq, Lk, window, blocks.BM), times=HQ)
             continue
         GH = pack_heads(G, blocks.BM)
         PM = blocks.BM // GH
         for p0 in range(0, Lq, PM):
-            counts.add(*query_tile_blocks(p0, min(p0 + PM, Lq), Lq, Lk, left, right, blocks.BN), times=HQ // GH)
+            counts.add(*query_tile_blocks(p0, min(p0 + PM, Lq), Lq, Lk, window, blocks.BN), times=HQ // GH)
     return counts

@@ -1,7 +1,7 @@
 """A tiny gpt-oss under DeepSpeed's Ulysses for Hugging Face models, as ``torchrun`` runs it, for
 tests/test_hf_deepspeed.py (needs ``deepspeed``; gloo on CPU):
 
-    python -m torch.distributed.run --standalone --nproc-per-node P -m sinkattn.testing.hf_deepspeed FOLDER
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node P -m harness.hf_deepspeed FOLDER
 
 DeepSpeed's own route, as accelerate's ``ParallelismConfig(sp_backend="deepspeed")`` and the HF
 ``Trainer`` take it: ``UlyssesSPAttentionHF.register_with_transformers`` wraps the registered
@@ -32,7 +32,7 @@ def _step(P: int) -> dict:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     import sinkattn.hf
-    from ..hf import heads
+    from sinkattn.hf import heads
     from . import gpt_oss, hf_cp
 
     seen, local_sinks = [], heads.local_sinks

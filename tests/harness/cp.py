@@ -162,7 +162,7 @@ def _run_precision(case: PrecisionCase, P: int, seed: int, rank: int, group, cp)
     """This rank's results of one case and seed: its shards of o, lse, dq, dk, dv (token-first) and its
     dsinks contribution. The shards are cut here by ``rank_order``, with no collective (``shard_varlen``
     is tested with ``CASES``): the call's own communication is the only one."""
-    from ..distributed.layout import rank_order
+    from sinkattn.distributed.layout import rank_order
     x, lengths, layout = precision_inputs(case, P, seed), case.lengths(P), case.layout(seed)
     mine = rank_order(lengths, P, layout).view(P, -1)[rank]
     q, k, v = (x[n].index_select(0, mine).requires_grad_() for n in "qkv")
@@ -178,7 +178,7 @@ def _precision_worker(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    from .. import distributed as cp
+    from sinkattn import distributed as cp
     results: dict = {"cases": {}, "failure": None}
     try:
         groups = {P: None if P == world else dist.new_group(list(range(P))) for P in PRECISION_SIZES}
@@ -198,7 +198,7 @@ def spawn_precision(folder: str, timeout: float = 300.0) -> dict:
     """Run ``PRECISION`` (every seed) at every P of ``PRECISION_SIZES``, in one spawned gloo group. Returns
     ``{"failure": a rank's traceback or None, "cases": {(P, case.name, seed): results}}``: the full tensors
     put together from the ranks' shards (``lse [HQ, T]``) and ``dsinks`` summed over the ranks in rank order."""
-    from ..distributed.layout import rank_order
+    from sinkattn.distributed.layout import rank_order
     world = max(PRECISION_SIZES)
     join_ranks(_start(_precision_worker, (world, folder), world), world, timeout)
     ranks = [torch.load(os.path.join(folder, f"precision{r}.pt"), weights_only=False) for r in range(world)]
@@ -223,7 +223,7 @@ def _start(fn, args: tuple, nprocs: int):
     cores), or spawned where there is no fork server (Windows)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    mp.get_context("forkserver").set_forkserver_preload(["sinkattn.testing.cp", "sinkattn.distributed"])
+    mp.get_context("forkserver").set_forkserver_preload(["harness.cp", "sinkattn.distributed"])
     return mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
 
 
@@ -237,7 +237,7 @@ def cu_seqlens() -> torch.Tensor:
 
 
 def _run_case(case: CPCase, group, cp):
-    from ..distributed import ring
+    from sinkattn.distributed import ring
     default, ring.TILE_ROWS = ring.TILE_ROWS, case.tile_rows or ring.TILE_ROWS
     try:
         return _run_case_now(case, group, cp)
@@ -342,7 +342,7 @@ def _worker(rank: int, P: int, folder: str, names: list[str] | None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=P,
                             timeout=datetime.timedelta(seconds=60))
-    from .. import distributed as cp
+    from sinkattn import distributed as cp
     results: dict = {"cases": {}, "repeats": {}, "errors": {}, "failure": None}
     try:
         subgroups = {}

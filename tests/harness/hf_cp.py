@@ -1,6 +1,6 @@
 """A tiny gpt-oss trained one step context-parallel, as ``torchrun`` runs it, for tests/test_hf_cp.py.
 
-    python -m torch.distributed.run --standalone --nproc-per-node P -m sinkattn.testing.hf_cp FOLDER
+    PYTHONPATH=tests python -m torch.distributed.run --standalone --nproc-per-node P -m harness.hf_cp FOLDER
 
 Every rank builds the same seeded model (``config()``: layers alternating sliding window 8 / full,
 HQ=12, HKV=6, so that Ulysses splits the heads over P = 2 and 3) and the same packed batch of
@@ -89,7 +89,7 @@ def real_rows(P: int, layout: str, documents=DOCUMENTS) -> torch.Tensor:
 
 def model(attn_implementation: str, family: str | None = None):
     """The seeded model every rank and the one-process reference build, in training mode: the gpt-oss of
-    ``config()``, or ``family``'s tiny model (``sinkattn.testing.families``)."""
+    ``config()``, or ``family``'s tiny model (``harness.families``)."""
     from . import families, gpt_oss
 
     if family is None:
@@ -219,13 +219,15 @@ def serve(folder: str, init, steps) -> None:
     dist.destroy_process_group()
 
 
-def launch(P: int, folder, module: str = "sinkattn.testing.hf_cp", timeout: float = 600.0, args=()) -> list[dict]:
+def launch(P: int, folder, module: str = "harness.hf_cp", timeout: float = 600.0, args=()) -> list[dict]:
     """``python -m torch.distributed.run --standalone --nproc-per-node P -m module folder *args`` (what
     ``torchrun`` runs); every rank's results. RuntimeError with the output's tail if it fails or a rank
-    reports a failure."""
+    reports a failure. The ranks find ``harness`` through ``PYTHONPATH`` (``harness.environment``)."""
+    from . import environment
+
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(P),
                "-m", module, str(folder), *args]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment())
     if run.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {run.returncode}:\n{run.stdout[-2000:]}{run.stderr[-4000:]}")
     results = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(P)]

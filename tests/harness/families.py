@@ -1,5 +1,5 @@
 """Tiny random models of every Hugging Face model family with attention sinks but gpt-oss (which has
-``sinkattn.testing.gpt_oss``), for the tests (``tests/test_hf_models.py``, ``tests/test_hf_cp.py``,
+``harness.gpt_oss``), for the tests (``tests/test_hf_models.py``, ``tests/test_hf_cp.py``,
 ``tests/hf_compile_check.py``): fp32, two layers (DeepSeek-V4: three), hidden 64, seeded; no downloads.
 
     MiMo-V2-Flash          D=24, Dv=16 (the real 192 / 128 scaled down), sinks on the sliding layer only

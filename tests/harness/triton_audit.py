@@ -1,8 +1,10 @@
 """Resource audit of the Triton kernels: compile every launch configuration the backend can choose,
 for each GPU generation it has a table for, and read ptxas' report. No GPU is needed.
 
-    python -m sinkattn.testing.triton_audit [--out FILE] [--reuse FILE] [--jobs N] [--only TEXT]
-                                            [--markdown] [--tile BM,BN,WARPS,STAGES]
+    PYTHONPATH=tests python -m harness.triton_audit [--out FILE] [--reuse FILE] [--jobs N] [--only TEXT]
+                                                    [--markdown] [--tile BM,BN,WARPS,STAGES]
+
+(from the repository root, with sinkattn importable: installed, or ``PYTHONPATH=src:tests``)
 
 A configuration is (chip, kernel, dtype, head dim, variant): chips ``config.CHIPS``; kernels
 ``fwd``, ``dkdv``, ``dq``, ``delta``; fp16, bf16, fp32; head dims 16, 32, 64, 128, 256, 512 (every
@@ -88,7 +90,7 @@ def _variants(kernel: str, low_precision: bool) -> list[dict]:
 def configs(chips=None) -> list[Config]:
     """Every configuration the backend can choose, on ``chips`` (default: all of ``config.CHIPS``):
     those its table has a tile for (``config.blocks_for`` refuses the others)."""
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config
 
     out = []
     for chip in chips or config.CHIPS:
@@ -106,9 +108,8 @@ def configs(chips=None) -> list[Config]:
 
 def _example(cfg: Config):
     """The launch plan of ``cfg`` over example CPU tensors (never launched)."""
-    from ..backends.triton import launch
-
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config, launch
+    from sinkattn.masks import Window
 
     dt = getattr(torch, cfg.dtype)
     T, HQ, HKV, N = (EXAMPLE_SHAPE[k] for k in ("T", "HQ", "HKV", "N"))
@@ -124,16 +125,16 @@ def _example(cfg: Config):
     if cfg.tile is not None and cfg.kernel != "delta":
         common["blocks"] = config.Blocks(*cfg.tile)
     if cfg.kernel == "fwd":
-        return launch.forward(q, k, v, torch.zeros(HQ, **f32), out, *stats[:3], cu, cu, D ** -0.5, -1, 0, T // N,
-                              **common)
+        return launch.forward(q, k, v, torch.zeros(HQ, **f32), out, *stats[:3], cu, cu, D ** -0.5, Window(-1, 0),
+                              T // N, **common)
     if cfg.kernel == "delta":
         return launch.delta(out, do, dlse, stats[3], cfg.chip)
     grads = (q, k, v, do, stats[1], stats[2])
     if cfg.kernel == "dq":
-        return launch.dq(*grads, dlse, stats[3], out, cu, cu, D ** -0.5, -1, 0, T // N, **common,
+        return launch.dq(*grads, dlse, stats[3], out, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common,
                          exact=torch.zeros(1, dtype=torch.int32), exact_delta=cfg.exact_delta)
     dk, dv = torch.zeros(T, HKV, D, **f32), torch.zeros(T, HKV, D, **f32)
-    return launch.dkdv(*grads, stats[3], dk, dv, cu, cu, D ** -0.5, -1, 0, T // N, **common)
+    return launch.dkdv(*grads, stats[3], dk, dv, cu, cu, D ** -0.5, Window(-1, 0), T // N, **common)
 
 
 def _specialize(plan):
@@ -161,7 +162,7 @@ def _specialize(plan):
 
 
 def _source_hash() -> str:
-    from ..backends.triton import kernels
+    from sinkattn.backends.triton import kernels
 
     return hashlib.sha256(Path(kernels.__file__).read_bytes()).hexdigest()[:16]
 
@@ -176,7 +177,7 @@ def toolchain() -> dict:
     """Versions that decide the compile: Triton, and ptxas per arch."""
     import triton
 
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config
 
     versions = {}
     for chip in config.CHIPS.values():
@@ -188,7 +189,7 @@ def toolchain() -> dict:
 def entry_key(cfg: Config, tools: dict) -> str:
     """Hash of everything that decides ``cfg``'s compile: kernel source, toolchain, the specialized
     signature and constexprs of its launch plan, its warps and stages, the arch."""
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config
 
     plan = _example(cfg)
     signature, constexprs, attrs = _specialize(plan)
@@ -230,7 +231,7 @@ def compile_config(cfg: Config, tools: dict) -> Entry:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config
 
     plan = _example(cfg)
     entry = Entry(cfg.name, asdict(cfg), asdict(plan.blocks), entry_key(cfg, tools))
@@ -303,7 +304,7 @@ def _line(e: Entry) -> str:
 
 def problems(entries) -> list[str]:
     """What breaks the limits: a build error, shared memory past the chip's, a spill in fp16 / bf16."""
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config
 
     out = []
     for e in entries:
@@ -322,7 +323,7 @@ def problems(entries) -> list[str]:
 def markdown(entries) -> str:
     """The docs' summary: per chip and kernel the largest shared memory and register count, the
     spill-free count, and every fp32 configuration that spills, with its size."""
-    from ..backends.triton import config
+    from sinkattn.backends.triton import config
 
     entries = [e if isinstance(e, dict) else asdict(e) for e in entries]
     lines = ["| chip (shared memory) | kernel | fp16 / bf16: configs, max regs, max smem | "
@@ -384,7 +385,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     tools, entries = run(cfgs, jobs=args.jobs, reuse=reuse, progress=lambda s: print(s, flush=True))
     found = problems(entries)
-    report = dict(command="python -m sinkattn.testing.triton_audit " + " ".join(argv or sys.argv[1:]),
+    report = dict(command="PYTHONPATH=tests python -m harness.triton_audit " + " ".join(argv or sys.argv[1:]),
                   toolchain=tools, example_shape=EXAMPLE_SHAPE, seconds=round(time.perf_counter() - t0, 1),
                   problems=found, entries=[asdict(e) for e in entries])
     if args.out:

@@ -136,7 +136,7 @@ def _run_case(case: TPCase, mesh_1d, mesh_2d) -> dict:
 def _error_case(which: str, mesh) -> tuple[str, str] | None:
     """Call ``which`` (one of ``ERRORS``) on every rank; the error raised, as ``(type name, message)``."""
     import sinkattn
-    from ..dtensor import register_sharding_rules
+    from sinkattn.dtensor import register_sharding_rules
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     P = mesh.size()
     g = torch.Generator().manual_seed(1)
