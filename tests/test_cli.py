@@ -30,6 +30,7 @@ def test_verify_passes_and_json_holds_the_table(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0
     assert "verdict: PASS: 8 of 8" in text
+    assert "A ratio: share within Gate A's tolerance (pass >= 0.99); B factor: max err / eager's" in text  # legend
     data = json.loads(out.read_text())
     assert data["passed"] is True and len(data["cases"]) == 8
     for case in data["cases"]:
@@ -146,7 +147,7 @@ def test_bench_shape_and_window(tmp_path):
         _rate_and_ratio_follow_from_the_times(r, rows)
 
 
-def test_bench_threads_sets_torch_threads_and_refuses_zero(tmp_path, capsys):
+def test_bench_threads_sets_torch_threads_and_refuses_zero_and_more_than_the_cpus(tmp_path, capsys):
     out = tmp_path / "b.json"
     before = torch.get_num_threads()
     try:
@@ -155,9 +156,14 @@ def test_bench_threads_sets_torch_threads_and_refuses_zero(tmp_path, capsys):
         assert json.loads(out.read_text())["header"]["threads"] == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "--threads", "0"])
-    assert exc.value.code == 2 and "--threads: must be >= 1, got 0" in capsys.readouterr().err
+    cpus = os.cpu_count()
+    for bad in (0, cpus + 1, 1000 * cpus):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "--threads", str(bad)])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"argument --threads: must be from 1 to {cpus} (this machine's CPUs), got {bad}" in err
+    assert cli._parser().parse_args(["bench", "--threads", str(cpus)]).threads == cpus
 
 
 def test_module_entry_point_help():
@@ -203,6 +209,8 @@ MORE_BAD_VALUES = [   # the same checks, more of their branches, in this process
     (["bench", "--window", "a,b"], "--window"),
     (["bench", "--modes", "fwd,"], "--modes"),
     (["bench", "--repeats", "x"], "--repeats"),
+    (["bench", "--threads", "100000"], "--threads"),
+    (["bench", "--threads", "two"], "--threads"),
     (["bench", "--plot", "{out}/b.txt"], "--plot"),
     (["bench", "--json", "{out}"], "--json"),
     (["bench", "--json", "/proc/b.json"], "--json"),               # a folder that exists but takes no files
@@ -395,7 +403,10 @@ def test_help_points_to_the_contract_in_the_repository(capsys):
         assert exit_.value.code == 0
         helps.append(capsys.readouterr().out)
     assert "docs/contract.md" in helps[0] and "docs/contract.md" in helps[1]
+    flat = [" ".join(h.split()) for h in helps]          # argparse wraps the description's lines
+    assert "in the sinkattn repository" in flat[0] and "in the sinkattn repository" in flat[1]
     assert not any("DESIGN.md" in h for h in helps)
+    assert "[--threads N]" in helps[0] and "--threads N" in helps[2]        # the synopsis names every option
 
 
 # reStructuredText that a terminal shows as is: ``literal``, :role:`x`, `link`_, .. directive::
@@ -439,8 +450,8 @@ def test_documented_sample_output_is_what_the_main_job_prints_now(tmp_path, caps
     printed = capsys.readouterr().out
     words = {_skeleton(line) for line in printed.splitlines()}
     checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|ms: median|verdict:|\[\d\]|"
-                                                   r"plot written|┃ case|┃ B )", line)]
-    assert len(checked) == 9, checked
+                                                   r"plot written|┃ case|┃ B |A ratio:)", line)]
+    assert len(checked) == 10, checked
     assert [line for line in checked if _skeleton(line) not in words] == []
     keys = [re.findall(r"(\w+)=", " ".join(_before_noise(lines))) for lines in (sample, printed.splitlines())]
     assert keys[0] == keys[1] and "isa" in keys[0]
@@ -496,11 +507,12 @@ def test_without_matplotlib_the_default_run_skips_the_plot_and_says_how_to_insta
     steps = cli._default_steps(cli._parser(), str(tmp_path))
     err = capsys.readouterr().err
     assert [s.command for s in steps] == ["verify", "bench"] and steps[1].plot is None
-    assert 'pip install -e ".[cli]"' in err and "--plot" not in err
+    assert "pip install rich matplotlib" in err and 'pip install "sinkattn[cli]"' in err and "--plot" not in err
+    assert "source tree" not in err          # the hint works for a wheel install too
     with pytest.raises(SystemExit):                              # asked for by name, --plot is refused before work
         cli.main(["bench", "--shape", "1,32,2,1,16", "--plot", str(tmp_path / "b.png")])
     err = capsys.readouterr().err
-    assert "argument --plot: plots need matplotlib" in err and 'pip install -e ".[cli]"' in err
+    assert "argument --plot: plots need matplotlib" in err and "pip install rich matplotlib" in err
 
 
 def test_bench_header_says_triton_is_not_installed(monkeypatch):

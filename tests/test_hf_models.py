@@ -28,7 +28,7 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers", minversion="5.4")
 
 import sinkattn.hf  # noqa: E402
-from harness import families  # noqa: E402
+from harness import families, gpt_oss  # noqa: E402
 from test_hf import OpCounter  # noqa: E402
 
 NAME = sinkattn.hf.register()
@@ -271,6 +271,34 @@ def test_models_whose_layers_read_the_whole_row_take_packing_as_eager_does(famil
     assert rel(ours(**by_positions).logits, eager(**by_positions).logits) <= LOGIT_RTOL
     with pytest.raises(ValueError, match="knows no documents|mix the documents of a packed row"):
         ours(input_ids=ids, **PACKED)
+
+
+EAGER_FINDS_DOCUMENTS = {"mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint"}
+"""Families whose eager attention (transformers 5.25) finds the documents of a row packed by ``position_ids``
+when there is no cache, as in training: transformers' packed-sequence mask. gpt-oss's eager and the privacy
+filter's bidirectional layers attend across the row (docs/hf.md, "Packed and padded batches")."""
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", *(f for f in FAMILIES if f not in ("deepseek_v4", "hy_v4"))])
+def test_a_row_packed_by_position_ids_is_each_document_alone_and_eager_as_docs_say(family):
+    """sinkattn on a row packed by ``position_ids`` alone (no cache) gives each document run alone; eager gives
+    the same for ``EAGER_FINDS_DOCUMENTS`` and lets the documents see each other for the others."""
+    if family == "gpt_oss":
+        eager = gpt_oss.model()
+        ours = copy.deepcopy(eager)
+        ours.set_attn_implementation(NAME)
+    else:
+        eager, ours = models(family)
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(3))
+    packed = dict(input_ids=ids, position_ids=PACKED["position_ids"], use_cache=False)
+    with torch.no_grad():
+        alone = torch.cat([eager(input_ids=ids[:, :10]).logits, eager(input_ids=ids[:, 10:]).logits], dim=1)
+        assert rel(ours(**packed).logits, alone) <= LOGIT_RTOL
+        eager_packed = rel(eager(**packed).logits, alone)
+    if family in EAGER_FINDS_DOCUMENTS:
+        assert eager_packed <= LOGIT_RTOL, f"{family}: eager now attends across a packed row; update docs/hf.md"
+    else:
+        assert eager_packed > 1e-2, f"{family}: eager now isolates a packed row's documents; update docs/hf.md"
 
 
 def test_listed_keys_multiply_in_fp32_under_autocast():

@@ -4,14 +4,16 @@
                     [--dtype fp16|bf16|fp32] [--repeats N] [--no-gate-b] [--json FILE]
     sinkattn bench  [--config NAME | --shape B,S,HQ,HKV,D] [--window L,R] [--no-causal] [--dtype fp16|bf16|fp32]
                     [--modes fwd,bwd,fwdbwd] [--providers NAME,...] [--repeats N] [--device cpu|cuda]
-                    [--json FILE] [--plot FILE]
+                    [--threads N] [--json FILE] [--plot FILE]
     sinkattn [--out DIR]   verify L0, then bench this device's default configuration; files under DIR
 
-verify runs the level cases of docs/contract.md §5 against the float64 golden and
-prints, per case and tensor, Gate A (ratio, max abs error, verdict), the Gate B
-factor against eager attention in the input dtype, and bitwise determinism over
---repeats runs (1: not checked); the exit code is 0 only if every case passes.
-It runs on the GPU when there is one (backend auto -> triton), else on the CPU.
+verify runs the level cases of the contract (section 5 of docs/contract.md, in the
+sinkattn repository; not shipped in the wheel) against the float64 golden and
+prints, per case and tensor, Gate A (A ratio: the share of elements within the
+tolerance; max abs error; verdict), the Gate B factor (max error over that of
+eager attention in the input dtype) and bitwise determinism over --repeats runs
+(1: not checked); the exit code is 0 only if every case passes. It runs on the
+GPU when there is one (backend auto -> triton), else on the CPU.
 
 bench times sinkattn against the attention available here (see
 sinkattn.testing.bench): the median, min and max of --repeats runs, with a
@@ -37,11 +39,20 @@ import time
 
 import torch
 
-from .testing import bench, cases, options, verify
+from .testing import bench, cases, options, precision, verify
 
 __all__ = ["main"]
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+
+CLI_EXTRAS = 'pip install rich matplotlib (the "cli" extra: pip install "sinkattn[cli]")'
+"""How to install the command's display extras: the same words for a wheel and for a source checkout."""
+
+LEGEND = (f"A ratio: share within Gate A's tolerance (pass >= "
+          f"{min(t.required_ratio for t in precision.TOLERANCES.values()):g}); "
+          f"B factor: max err / eager's (pass <= {precision.GATE_B_FACTOR['output']:g}, "
+          f"gradients <= {precision.GATE_B_FACTOR['gradient']:g})")
+"""The verify table's legend, printed under it: what its two figure columns mean and where they pass."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,7 +73,7 @@ def _rich():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
     except ImportError:
-        sys.exit(f"the sinkattn command needs its display extras: {options.CLI_EXTRAS}")
+        sys.exit(f"the sinkattn command needs its display extras: {CLI_EXTRAS}")
     console = Console()
     if not console.is_terminal:      # files and pipes: wide enough for the tables, no wrapping
         console = Console(width=120)
@@ -136,6 +147,7 @@ def cmd_verify(args) -> int:
                           f"{rep.max_abs_err:.3g}", a, _fmt(rep.gate_b_factor, ".3f"), b, det if i == 0 else "")
         failed += not r.passed
     console.print(table)
+    console.print(LEGEND, markup=False)
     for r in results:
         for rep in r.reports:
             if rep.waiver:
@@ -262,6 +274,28 @@ def cmd_bench(args) -> int:
     return 1 if failed or not written else 0
 
 
+def _threads(text: str) -> int:
+    """``--threads``: an integer from 1 to this machine's CPU count (more threads than CPUs only wait on each
+    other)."""
+    cpus = os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {cpus} (this machine's CPUs), "
+                                         f"got {text!r}") from None
+    if not 1 <= value <= cpus:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {cpus} (this machine's CPUs), got {value}")
+    return value
+
+
+def _plot_file(text: str) -> str:
+    """``--plot``: ``options.plot_file``, whose missing-matplotlib hint is given here in words for any install."""
+    options.json_file(text)
+    if not options.has_matplotlib():
+        raise argparse.ArgumentTypeError(f"plots need matplotlib, which is not installed: {CLI_EXTRAS}")
+    return options.plot_file(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="sinkattn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=options.out_dir, metavar="DIR",
@@ -270,7 +304,8 @@ def _parser() -> argparse.ArgumentParser:
     dtype = dict(type=options.dtype, metavar="fp16|bf16|fp32", help=f"input dtype: {options.DTYPE_CHOICES}")
     device = dict(type=options.device, metavar="cpu|cuda", help="where the tensors live (default: the GPU if any)")
 
-    about = "run a level of docs/contract.md §5 against the float64 golden"
+    about = ("run a level of the contract's test cases (docs/contract.md §5, in the sinkattn repository) "
+             "against the float64 golden")
     v = sub.add_parser("verify", help=about, description=about[0].upper() + about[1:] + ".")
     v.add_argument("--level", default="L0", choices=["L0", "L1", "L2", "boundary", "all"])
     v.add_argument("--backend", default="auto", choices=["auto", "cpu", "triton", "reference"],
@@ -302,11 +337,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=options.at_least(1), default=3, metavar="N",
                    help="timed runs (median, min, max); default 3")
     b.add_argument("--device", **device)
-    b.add_argument("--threads", type=options.at_least(1), metavar="N",
-                   help="torch threads for every provider (default: torch's own, one per core); on a machine "
-                        "other jobs keep busy, 1 is often several times faster")
+    b.add_argument("--threads", type=_threads, metavar="N",
+                   help=f"torch threads for every provider, 1 to {os.cpu_count() or 1} here (default: torch's own, "
+                        f"one per core); on a machine other jobs keep busy, 1 is often several times faster")
     b.add_argument("--json", type=options.json_file, metavar="FILE", help="write every figure to this file")
-    b.add_argument("--plot", type=options.plot_file, metavar="FILE",
+    b.add_argument("--plot", type=_plot_file, metavar="FILE",
                    help="time against sequence length, a panel per mode, in the format of FILE's extension "
                         "(png, pdf, svg, jpg, ...: any matplotlib writes)")
     b.set_defaults(parser=b, check=check_bench, run=cmd_bench)
@@ -333,7 +368,7 @@ def _default_steps(ap, out: str) -> list:
     if options.has_matplotlib():
         plot = ["--plot", os.path.join(out, "bench.png")]
     else:
-        print(f"sinkattn: no plot (matplotlib is not installed; for plots: {options.CLI_EXTRAS})", file=sys.stderr)
+        print(f"sinkattn: no plot (matplotlib is not installed; for plots: {CLI_EXTRAS})", file=sys.stderr)
     return [ap.parse_args(["verify", "--json", os.path.join(out, "verify.json")]),
             ap.parse_args(["bench", "--json", os.path.join(out, "bench.json"), *plot])]
 
