@@ -12,7 +12,8 @@ model run without compile and checked for graph breaks:
                packed by position_ids, padding and packing in one batch) and their lengths, under
                dynamo with the eager backend (graph breaks and recompiles are dynamo's; inductor
                would add minutes of kernel compilation); no call may reach the recompile limit
-               (fail_on_recompile_limit_hit turns a silent fallback to eager into an error)
+               (fail_on_recompile_limit_hit turns a silent fallback to eager into an error); then
+               ``families`` of the sink families named after it, with dynamo's eager backend too
     static     greedy decoding with a StaticCache, the compiled model called once per token (12
                calls, past the recompile limit) with the 2-D mask of a left-padded batch and without
                a mask: no graph break, nothing compiled after the second call (prefill, then decoding;
@@ -134,10 +135,11 @@ def decode_static(compiled, eager, ids, mask, new_tokens, label):
     print(line, flush=True)
 
 
-def families(names):
+def families(names, backend: str = "inductor"):
     """For each family of ``test_hf_models`` (its tiny model, in training mode): a training step (forward,
     ``sum(logits * w)`` on the real tokens, backward) through ``torch.compile`` with inductor on a dense
-    and a right-padded batch, against the same model in eager mode (``test_hf_models.assert_close``'s
+    and a right-padded batch (``backend``: dynamo's compile backend), against the same model in eager mode
+    (``test_hf_models.assert_close``'s
     tolerances); and dynamo's graph breaks in the model call (``torch._dynamo.explain``): those in
     sinkattn's code must be none, those in the model's own code are counted. ``family:dense`` or
     ``family:right-padded`` runs that batch only."""
@@ -154,7 +156,7 @@ def families(names):
         padded = torch.ones(2, 24, dtype=torch.long)
         padded[1, 19:] = 0
         torch._dynamo.reset()
-        compiled = torch.compile(ours)
+        compiled = torch.compile(ours, backend=backend)
         for label, mask in (("dense", None), ("right-padded", padded)):
             if only and only != label:
                 continue
@@ -205,6 +207,7 @@ def main():
         with torch.no_grad():
             for layout, batch in BATCHES:
                 check(compiled, model, layout, batch)
+        families(sys.argv[2:], backend="eager")
     print("ok", flush=True)
 
 

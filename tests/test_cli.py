@@ -1,6 +1,8 @@
 """The ``sinkattn`` command end to end on tiny shapes: tables, JSON with every figure, exit codes."""
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import math
@@ -24,10 +26,29 @@ from sinkattn.testing import bench, precision
 pytestmark = pytest.mark.xdist_group("test_cli")
 
 
-def test_verify_passes_and_json_holds_the_table(tmp_path, capsys):
-    out = tmp_path / "verify.json"
-    code = cli.main(["verify", "--level", "L0", "--backend", "cpu", "--repeats", "2", "--json", str(out)])
-    text = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """``python -m sinkattn`` (the main job: verify L0 with determinism over 3 runs, then the default bench)
+    run once, in process: ``(exit code, printed text, output folder)``."""
+    folder = tmp_path_factory.mktemp("main-job")
+    before, columns = Path.cwd(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "130"
+    os.chdir(folder)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            code = cli.main([])
+    finally:
+        os.chdir(before)
+        if columns is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = columns
+    return code, printed.getvalue(), folder / "sinkattn-out"
+
+
+def test_verify_passes_and_json_holds_the_table(main_job):
+    code, text, folder = main_job
+    out = folder / "verify.json"
     assert code == 0
     assert "verdict: PASS: 8 of 8" in text
     assert "A ratio: share within Gate A's tolerance (pass >= 0.99); B factor: max err / eager's" in text  # legend
@@ -184,6 +205,10 @@ def test_importing_sinkattn_leaves_dynamo_unloaded():
 
 BAD_VALUES = [   # (arguments, the option the one-line error must name): each in its own `python -m sinkattn`
     (["bench", "--shape", "1,256"], "--shape"),
+    (["bench", "--device", "cuda"], "--device"),                   # the subprocess sees no GPU
+    (["verify", "--backend", "triton"], "--backend"),              # no GPU, no TRITON_INTERPRET=1
+]
+MORE_BAD_VALUES = [   # the same checks, more of their branches, in this process
     (["bench", "--shape", "1,-128,4,1,64"], "--shape"),
     (["bench", "--shape", "1,64,6,4,16"], "--shape"),              # HQ not a multiple of HKV
     (["bench", "--shape", "1,64,4,2,600"], "--shape"),             # D beyond every backend
@@ -193,15 +218,11 @@ BAD_VALUES = [   # (arguments, the option the one-line error must name): each in
     (["bench", "--providers", "sinkattn,foo"], "--providers"),
     (["bench", "--repeats", "0"], "--repeats"),
     (["bench", "--providers", "sdpa,eager"], "--providers"),       # nothing of ours would run
-    (["bench", "--device", "cuda"], "--device"),                   # the subprocess sees no GPU
     (["bench", "--json", "{missing}/b.json"], "--json"),
     (["bench", "--plot", "{missing}/b.png"], "--plot"),
     (["bench", "--config", "cpu-quick", "--shape", "1,64,4,2,16"], "--shape"),
     (["verify", "--repeats", "-1"], "--repeats"),
-    (["verify", "--backend", "triton"], "--backend"),              # no GPU, no TRITON_INTERPRET=1
     (["verify", "--json", "{missing}/v.json"], "--json"),
-]
-MORE_BAD_VALUES = [   # the same checks, more of their branches, in this process
     (["bench", "--shape", "1,100000000,64,8,256"], "--shape"),     # far beyond this machine's memory
     (["bench", "--shape", "1,64,4,2,0"], "--shape"),
     (["bench", "--shape", "1,64,4.0,2,16"], "--shape"),
@@ -439,15 +460,13 @@ def _skeleton(line: str) -> str:
     return " ".join(re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", line).split())
 
 
-def test_documented_sample_output_is_what_the_main_job_prints_now(tmp_path, capsys, monkeypatch):
+def test_documented_sample_output_is_what_the_main_job_prints_now(main_job):
     """The titles, verdict, bench header keys and footnotes of docs/cli.md's sample of ``python -m sinkattn``
     are what the current code prints (its figures differ from run to run, its words must not)."""
     page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
     sample = re.search(r"^```\n\$ python -m sinkattn\n(.*?)^```", page, flags=re.S | re.M).group(1).splitlines()
-    monkeypatch.setenv("COLUMNS", "130")
-    monkeypatch.chdir(tmp_path)
-    assert cli.main([]) == 0
-    printed = capsys.readouterr().out
+    code, printed, _ = main_job
+    assert code == 0
     words = {_skeleton(line) for line in printed.splitlines()}
     checked = [line for line in sample if re.match(r"\s*(sinkattn verify:|sinkattn bench:|ms: median|verdict:|\[\d\]|"
                                                    r"plot written|┃ case|┃ B |A ratio:)", line)]
