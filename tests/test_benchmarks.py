@@ -5,6 +5,7 @@ ratio is the quotient of the figures it is computed from (recomputed here from t
 spread is ordered, memory is not negative, counts follow from the problem sizes and verdicts from
 the per-case results. Nothing here depends on how fast this machine is."""
 
+import importlib.util
 import json
 import math
 import os
@@ -12,7 +13,6 @@ import runpy
 import statistics
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,20 +51,22 @@ def samples_hold(row: dict, key: str = "seconds") -> None:
 
 # --- the options every script takes -------------------------------------------------------------------------------
 
-def test_every_script_takes_the_common_options():
-    def helps(script):
-        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
-                              capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
-    with ThreadPoolExecutor(4) as pool:
-        runs = dict(zip(SCRIPTS, pool.map(helps, SCRIPTS)))
-    assert len(SCRIPTS) == 13 and UNTIMED < set(SCRIPTS)
-    for script, run in runs.items():
-        assert run.returncode == 0, (script, run.stderr[-2000:])
-        listed = run.stdout.split("\noptions:\n")[-1]                  # the options, not the description
-        options = {word.rstrip(",") for word in listed.split() if word.startswith("--")}
-        assert {"--quick", "--threads", "--json"} <= options, (script, run.stdout)
-        assert ("--repeats" in options) == (script not in UNTIMED), (script, run.stdout)
-        assert "torch threads (default" in listed and "write every figure to this file" in listed
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_takes_the_common_options(script, capsys, monkeypatch):
+    """Each script's parser (run in this process: its ``main`` exits on ``--help`` before any work) lists
+    ``--quick``, ``--threads`` and ``--json``, and ``--repeats`` when it times anything."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{script}", ROOT / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))              # a script imports its neighbours
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    listed = capsys.readouterr().out.split("\noptions:\n")[-1]          # the options, not the description
+    options = {word.rstrip(",") for word in listed.split() if word.startswith("--")}
+    assert {"--quick", "--threads", "--json"} <= options, listed
+    assert ("--repeats" in options) == (script not in UNTIMED), listed
 
 
 def test_script_parser_defaults_and_refusals(capsys):
