@@ -183,8 +183,8 @@ def test_every_backend_forward_leaves_keyless_rows_to_the_sink(name, for_backwar
     """The protocol's forward over keys, without the sink, straight from each backend (NaN-poisoned buffers, so
     an unwritten element fails): a row that sees no key has ``o = 0`` and ``log_l = -inf`` exactly, and
     ``with_sink`` then gives it ``lse = sink`` and ``o = 0``; the other rows are finite. No backend joins a sink
-    of its own in ``forward`` (it is not handed one). (Statistics in base 2 carry the sink as ``sink log2(e)``
-    in fp32: its ``lse`` comes back within an ulp of the sink, not bit for bit.)"""
+    of its own in ``forward`` (it is not handed one); in base 2 too, where the statistics carry the sink as
+    ``sink log2(e)`` in fp32 and ``lse_of`` gives the keyless rows the sink itself."""
     from sinkattn import masks
     from sinkattn.backends import buffers
     from sinkattn.backends.capabilities import Batch
@@ -202,9 +202,9 @@ def test_every_backend_forward_leaves_keyless_rows_to_the_sink(name, for_backwar
     sinks = torch.tensor([-1e4, -100.0, 0.0, 30.0])
     joined_o, joined = sink.with_sink(o.float(), sink.Stats(stats.m.float(), stats.log_l.float()), sinks,
                                       impl.CAPABILITIES.base2)
-    lse = sink.lse_of(joined, impl.CAPABILITIES.base2)
-    torch.testing.assert_close(lse[:, keyless], sinks[:, None].expand(HQ, int(keyless.sum())),
-                               rtol=2**-23 if impl.CAPABILITIES.base2 else 0.0, atol=0.0)
+    keys = sink.Stats(stats.m.float(), stats.log_l.float())
+    lse = sink.lse_of(joined, impl.CAPABILITIES.base2, sinks, keys)
+    assert torch.equal(lse[:, keyless], sinks[:, None].expand(HQ, int(keyless.sum())))
     assert torch.equal(joined_o[keyless], torch.zeros_like(joined_o[keyless]))
 
 
@@ -240,3 +240,21 @@ def test_a_backend_declares_what_it_implements_and_implements_what_it_declares(n
         for method in _protocol_methods(proto):
             got, want = _parameters(getattr(impl, method)), _parameters(getattr(proto, method))
             assert got == want, f"backend {name!r}: {method}{tuple(got)}, the protocol's is {method}{tuple(want)}"
+
+
+@pytest.mark.parametrize("sink_values", [[-1e4, -200.0, -87.5, 12345.678], [0.3, -3.0, 30.0, -110.0]])
+def test_keyless_rows_take_the_sink_exactly_on_triton(sink_values):
+    """The Triton backend's statistics are in base 2; its keyless rows still get ``lse = sink`` bit for bit,
+    ``o = 0``, and the rest within Gate A (through the interpreter where there is no GPU)."""
+    _load("triton")
+    q, k, v, cu_q, cu_k, mq, mk, _ = _packed_with_keyless_rows(torch.float32, seed=2)
+    sinks = torch.tensor(sink_values)
+    out, lse = sinkattn.sink_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, sinks=sinks, causal=True,
+                                              return_lse=True, backend="triton")
+    want_o, want_lse = sinkattn.sink_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, sinks=sinks, causal=True,
+                                                      return_lse=True, backend="reference")
+    keyless = _keyless(cu_q, cu_k, (-1, 0))
+    assert torch.equal(lse[:, keyless], sinks[:, None].expand(HQ, int(keyless.sum())))
+    assert torch.equal(out[keyless], torch.zeros_like(out[keyless]))
+    assert precision.gate_a("o", out, want_o, torch.float32).gate_a
+    assert precision.gate_a("lse", lse, want_lse, torch.float32).gate_a

@@ -114,7 +114,7 @@ def _joined(impl, caps, partial: Partial, sinks) -> Final:
         if final is not None:
             return final
     o, stats = sink.with_sink(partial.o, partial.stats, sinks, caps.base2)
-    return Final(o, stats, sink.lse_of(stats, caps.base2).float())
+    return Final(o, stats, sink.lse_of(stats, caps.base2, sinks, partial.stats).float())
 
 
 def _forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, left, right,

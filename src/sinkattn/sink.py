@@ -130,10 +130,18 @@ def lse_without_keys(sinks: torch.Tensor | None, shape, device) -> torch.Tensor:
     return sinks.float().expand(shape)
 
 
-def lse_of(stats: Stats, base2: bool = False) -> torch.Tensor:
-    """``lse = m + log_l`` in natural units (the public ``lse``), fp32."""
+def lse_of(stats: Stats, base2: bool = False, sinks: torch.Tensor | None = None, keys: Stats | None = None
+           ) -> torch.Tensor:
+    """``lse = m + log_l`` in natural units (the public ``lse``), fp32. In base 2, the rows that saw no key
+    (``keys``: the statistics ``with_sink`` joined, ``sinks`` its sinks) get their sink's logit itself: the
+    base-2 round trip ``sink * log2(e) * ln(2)`` would miss it by a unit in the last place."""
     lse = stats.m + stats.log_l
-    return lse * LN2 if base2 else lse
+    if not base2:
+        return lse
+    lse = lse * LN2
+    if sinks is not None and keys is not None:
+        lse = torch.where(keys.log_l == -math.inf, sinks.float().view(-1, *([1] * (lse.dim() - 1))), lse)
+    return lse
 
 
 def row_delta(do: torch.Tensor, o: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:

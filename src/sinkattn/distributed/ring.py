@@ -152,8 +152,9 @@ class _Ring(torch.autograd.Function):
                     acc.copy_(value)
             if flight is not None:
                 kv = flight.wait()
-        o, stats = sink.with_sink(o, stats, sinks, caps.base2)
-        lse = sink.lse_of(stats, caps.base2).float()
+        keys = stats
+        o, stats = sink.with_sink(o, keys, sinks, caps.base2)
+        lse = sink.lse_of(stats, caps.base2, sinks, keys).float()
         ctx.save_for_backward(q, k, v, sinks, o, *stats)
         ctx.setup = (group, plans, call)
         return o.to(q.dtype), lse
