@@ -172,11 +172,12 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)     # [B, S, H, D]
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.is_floating_point():
         attention_mask = visible(attention_mask)
+    compressor = getattr(module, "compressor", None)      # read once: a missing attribute of a Module costs a us
     if context_parallel is not None:
-        if getattr(module, "compressor", None) is not None:
+        if compressor is not None:
             raise ValueError(compressed.NO_CONTEXT_PARALLEL)
         return context.attention(q, k, v, attention_mask, kwargs, options, context_parallel), None
-    if getattr(module, "compressor", None) is not None:
+    if compressor is not None:
         return _compressed(module, q, k, v, attention_mask, kwargs, options), None
     indices = kwargs.get("indices")
     if isinstance(indices, torch.Tensor) and indices.shape[-1] < k.shape[1]:

@@ -176,16 +176,26 @@ _MEMO: dict[tuple, tuple[tuple, object]] = {}
 _MEMO_SIZE = 8
 
 
+def _same(state: tuple, tensors: tuple) -> bool:
+    """Whether ``tensors`` are the live, unmodified objects ``state`` (weak references and versions) recorded."""
+    for h, t in zip(state, tensors):
+        if t is None:
+            if h is not None:
+                return False
+        elif h is None or h[0]() is not t or h[1] != t._version:
+            return False
+    return True
+
+
 def memoized(build, tensors: tuple, *extra):
     """``build(*tensors, *extra)``, reused while ``tensors`` are the same live, unmodified objects.
 
     Every attention layer of a forward pass gets the same mask / position_ids tensors; this keeps
     their host read-back to one per pass. Not used under ``torch.compile`` tracing.
     """
-    key = (build, *(id(t) for t in tensors), *extra)
+    key = (build, *map(id, tensors), *extra)
     hit = _MEMO.get(key)
-    if hit is not None and all(h is None if t is None else (h[0]() is t and h[1] == t._version)
-                               for h, t in zip(hit[0], tensors)):
+    if hit is not None and _same(hit[0], tensors):
         return hit[1]
     state = tuple((weakref.ref(t), t._version) if t is not None else None for t in tensors)
     value = build(*tensors, *extra)
