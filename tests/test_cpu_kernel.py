@@ -171,12 +171,12 @@ def _kernel_call(ops, L, HQ, D, seed, bf16):
     g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(L, HQ, D, generator=g).bfloat16().float() for _ in range(2))
     k, v = (torch.randn(L, 1, D, generator=g).bfloat16().float() for _ in range(2))
-    cu_q, cu_k, bounds = cpu._native_of((0, L), (0, L), Window(-1, 0), HQ).sequences
+    cu_q, cu_k, bounds, skip = cpu._native_of((0, L), (0, L), Window(-1, 0), HQ).sequences
     row, post = cpu._scales(D ** -0.5)
     o, m, log_l = torch.empty(L, HQ, D), torch.empty(HQ, L), torch.empty(HQ, L)
-    ops.forward(q, k, v, cu_q, cu_k, bounds, row, post, cpu.NATIVE_BM, cpu_tiles.BN, bf16, o, m, log_l)
+    ops.forward(q, k, v, cu_q, cu_k, bounds, skip, row, post, cpu.NATIVE_BM, cpu_tiles.BN, bf16, o, m, log_l)
     dq, dk, dv, delta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty(HQ, L)
-    ops.backward(do, q, k, v, m, log_l, delta, torch.empty(0), torch.empty(0), cu_q, cu_k, bounds, row, post,
+    ops.backward(do, q, k, v, m, log_l, delta, torch.empty(0), torch.empty(0), cu_q, cu_k, bounds, skip, row, post,
                  D ** -0.5, True, cpu.NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, bf16, 1, dq, dk, dv)
     return [o, m, log_l, dq, dk, dv, delta]
 

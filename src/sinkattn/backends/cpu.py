@@ -72,32 +72,26 @@ def _scales(softmax_scale: float) -> tuple[float, float]:
 class _Native(NamedTuple):
     """How a packed call reaches the compiled kernel: the kernel's view of its sequences (``cu_q``, ``cu_k``
     int64 ``[N+1]``, ``bounds`` int64 ``[T, 2]``: the keys ``[lo, hi)`` of its own sequence each query token
-    sees, ``sinkattn.masks``), and the short sequences ``cpu_small`` takes instead (``small``, or None).
-    With short sequences the kernel gets the others only, gathered: query tokens ``rows_q``, key tokens
-    ``rows_k`` (None: the whole call, nothing gathered)."""
+    sees, ``sinkattn.masks``; ``skip`` int64 ``[N]`` or empty: the sequences it leaves to ``cpu_small``), and
+    those short sequences (``small``, or None)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     bounds: torch.Tensor
+    skip: torch.Tensor
     small: Sequences | None = None
-    rows_q: torch.Tensor | None = None
-    rows_k: torch.Tensor | None = None
 
     @property
-    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.cu_q, self.cu_k, self.bounds
-
-    @property
-    def nothing(self) -> bool:
-        """No sequence left for the kernel (every one is short)."""
-        return self.cu_q.numel() == 1
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.cu_q, self.cu_k, self.bounds, self.skip
 
 
 def _native(batch, window: Window, HQ: int) -> _Native:
     """The kernel's part of the call (``_Native``). A short sequence (``cpu_small.takes``: at most
     ``cpu_small.SHORT_LENGTH`` queries and keys) goes to ``cpu_small`` whatever it is packed with, many per
     tile (one kernel task each would cost far more than its attention), so a sequence's results depend on its
-    own inputs only. Kept for the last few layouts: a model's layers, and a call's backward, share one."""
+    own inputs only; the kernel skips it. Kept for the last few layouts: a model's layers, and a call's
+    backward, share one."""
     return _native_of(tuple(batch.cu_seqlens_q.tolist()), tuple(batch.cu_seqlens_k.tolist()), window, HQ)
 
 
@@ -111,22 +105,10 @@ def _native_of(cu_seqlens_q: tuple[int, ...], cu_seqlens_k: tuple[int, ...], win
     bounds = torch.stack((lo, hi), 1)
     short = (Lq > 0) & cpu_small.takes(Lq, Lk, HQ)
     if not bool(short.any()):
-        return _Native(cu_q, cu_k, bounds)
+        return _Native(cu_q, cu_k, bounds, cu_q.new_empty(0))
     index = short.nonzero().flatten()
     small = Sequences(cu_q[:-1][index], cu_k[:-1][index], Lq[index], Lk[index])
-    rest = (~short).nonzero().flatten()
-    rows_q = layout.token_ranges(cu_q[:-1][rest], Lq[rest])
-    rows_k = layout.token_ranges(cu_k[:-1][rest], Lk[rest])
-    zero = torch.zeros(1, dtype=torch.int64)
-    return _Native(torch.cat([zero, Lq[rest].cumsum(0)]), torch.cat([zero, Lk[rest].cumsum(0)]), bounds[rows_q],
-                   small, rows_q, rows_k)
-
-
-def _rows(x: torch.Tensor | None, rows: torch.Tensor | None, dim: int = 0) -> torch.Tensor | None:
-    """``x``'s tokens ``rows`` (along ``dim``), contiguous; all of ``x`` where ``rows`` is None."""
-    if x is None:
-        return None
-    return (x if rows is None else x.index_select(dim, rows)).contiguous()
+    return _Native(cu_q, cu_k, bounds, short.to(torch.int64), small)
 
 
 def split(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, HQ: int) -> layout.Split:
@@ -220,19 +202,8 @@ def forward(q, k, v, batch, window, softmax_scale, for_backward):
     native = None if literal else cpu_native.load()
     if native is not None and (for_backward or softmax_scale <= 0 or v.shape[2] != D):
         plan = _native(batch, window, HQ)
-        if not plan.nothing:
-            rows_q, rows_k = plan.rows_q, plan.rows_k
-            whole = rows_q is None
-            o_n, m_n, l_n = (out, m, log_l) if whole else (
-                buffers.new((rows_q.numel(), HQ, v.shape[2]), torch.float32, q.device),
-                *(buffers.new((HQ, rows_q.numel()), torch.float32, q.device) for _ in range(2)))
-            native.forward(_rows(q32, rows_q), _rows(k32, rows_k), _rows(v32, rows_k), *plan.sequences,
-                           *_scales(softmax_scale), NATIVE_BM, cpu_tiles.BN, cpu_native.bf16_products(q, k, v), o_n,
-                           m_n, l_n)
-            if not whole:
-                out.index_copy_(0, rows_q, o_n)
-                m.index_copy_(1, rows_q, m_n)
-                log_l.index_copy_(1, rows_q, l_n)
+        native.forward(q32.contiguous(), k32.contiguous(), v32.contiguous(), *plan.sequences, *_scales(softmax_scale),
+                       NATIVE_BM, cpu_tiles.BN, cpu_native.bf16_products(q, k, v), out, m, log_l)
         if plan.small is not None:
             cpu_small.forward(q32, k32, v32, plan.small, out, m, log_l, softmax_scale, window)
         return Partial(out, sink.Stats(m, log_l))
@@ -280,28 +251,17 @@ def backward(do, dlse, q, k, v, o, stats, sink_mass, batch, window, softmax_scal
     native = None if literal else cpu_native.load()
     if native is not None:
         plan = _native(batch, window, q.shape[1])
-        rows_q, rows_k = plan.rows_q, plan.rows_k
-        whole = rows_q is None
         # the kernel sums Delta of every row itself unless the call holds only some of its keys
         delta = sink.row_delta(do32, o, dlse).contiguous() if partial else buffers.new(stats.m.shape, torch.float32,
                                                                                          q.device)
-        if not plan.nothing:
-            none = q32.new_empty(0)
-            dlse_n, mass_n = (none if x is None else _rows(x.float(), rows_q, 1) for x in (dlse, sink_mass))
-            delta_n = delta if whole else _rows(delta, rows_q, 1)
-            dq_n, dk_n, dv_n = (dq, dk, dv) if whole else (
-                buffers.new((rows_q.numel(), *q.shape[1:]), torch.float32, q.device),
-                *(buffers.new((rows_k.numel(), *x.shape[1:]), torch.float32, q.device) for x in (k, v)))
-            native.backward(_rows(do32, rows_q), _rows(q32, rows_q), _rows(k32, rows_k), _rows(v32, rows_k),
-                            _rows(stats.m, rows_q, 1), _rows(stats.log_l, rows_q, 1), delta_n, dlse_n, mass_n,
-                            *plan.sequences, *_scales(softmax_scale), softmax_scale, not partial,
-                            NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do),
-                            BACKWARD_SPLIT, dq_n, dk_n, dv_n)
-            if not whole:
-                dq.index_copy_(0, rows_q, dq_n)
-                dk.index_copy_(0, rows_k, dk_n)
-                dv.index_copy_(0, rows_k, dv_n)
-                delta.index_copy_(1, rows_q, delta_n)
+        none = q32.new_empty(0)
+        native.backward(do32.contiguous(), q32.contiguous(), k32.contiguous(), v32.contiguous(),
+                        stats.m.contiguous(), stats.log_l.contiguous(), delta,
+                        none if dlse is None else dlse.float().contiguous(),
+                        none if sink_mass is None else sink_mass.float().contiguous(),
+                        *plan.sequences, *_scales(softmax_scale), softmax_scale, not partial,
+                        NATIVE_BM, cpu_tiles.BN, cpu_tiles.KEPT_ELEMENTS, cpu_native.bf16_products(q, k, v, do),
+                        BACKWARD_SPLIT, dq, dk, dv)
         if plan.small is not None:
             cpu_small.backward(do32, q32, k32, v32, stats.m, _inverse_l(stats), delta, dlse, sink_mass, plan.small,
                                dq, dk, dv, softmax_scale, window, exact=not partial)

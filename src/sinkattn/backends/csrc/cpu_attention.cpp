@@ -5,7 +5,9 @@
 // them. Inputs are fp32 and contiguous, lengths and visible key ranges are given by the caller:
 //
 //   q [Tq, HQ, D], k [Tk, HKV, D], v [Tk, HKV, Dv], cu_q / cu_k [N + 1] int64,
-//   bounds [Tq, 2] int64: the keys [lo, hi) of its sequence that a query token sees (hi <= lo: none).
+//   bounds [Tq, 2] int64: the keys [lo, hi) of its sequence that a query token sees (hi <= lo: none),
+//   skip [N] int64 or empty: the sequences the caller computes another way (the kernel writes none of their
+//   results: rows, statistics, dK/dV of their keys).
 //
 // A task is one sequence and one KV head: its G query heads are stacked as the rows of a block
 // (at most BM rows: R = BM / G positions of each head), its keys in chunks of at most BN, both sized
@@ -207,13 +209,14 @@ int64_t size_class(int64_t length, int64_t largest) {
 struct Layout {
   std::vector<int64_t> bn, ld, r, chunks;   // per sequence: chunk size, its row stride, block positions, chunks
   std::vector<int64_t> keys, cols;          // per sequence: padded keys and [*, ld] columns before it
-  Layout(const int64_t* cq, const int64_t* ck, int64_t N, int64_t BN, int64_t R)
+  // lq / lk: the query and key counts the kernel takes of each sequence (Shape::lq, lk)
+  Layout(const int64_t* lq, const int64_t* lk, int64_t N, int64_t BN, int64_t R)
       : bn(N), ld(N), r(N), chunks(N), keys(N + 1, 0), cols(N + 1, 0) {
     for (int64_t n = 0; n < N; ++n) {
-      const int64_t Lk = ck[n + 1] - ck[n];
+      const int64_t Lk = lk[n];
       bn[n] = size_class(Lk, BN);
       ld[n] = padded(bn[n]);
-      r[n] = size_class(cq[n + 1] - cq[n], R);
+      r[n] = size_class(lq[n], R);
       chunks[n] = (Lk + bn[n] - 1) / bn[n];
       keys[n + 1] = keys[n] + chunks[n] * bn[n];
       cols[n + 1] = cols[n] + chunks[n] * ld[n];
@@ -288,7 +291,8 @@ void parallel_tasks(int64_t n, const F& body) {
 // x [T, H, W] by sequence in chunks (Layout), as operands of type T (x's values must be T's: the caller's
 // bf16 inputs): each chunk transposed, [W, ld], or as rows, [bn, W].
 template <typename T>
-at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Layout& L, bool transposed) {
+at::Tensor chunked(const at::Tensor& x, const int64_t* ck, const int64_t* lk, int64_t N, const Layout& L,
+                   bool transposed) {
   const int64_t H = x.size(1), W = x.size(2);
   at::Tensor out = at::zeros({H, (transposed ? L.total_cols() : L.total_keys()) * W},
                              x.options().dtype(c10::CppTypeToScalarType<T>::value));
@@ -298,7 +302,7 @@ at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Layo
     for (int64_t t = first; t < end; t += step) {
       const int64_t h = t / N, n = t % N, bn = L.bn[n], ld = L.ld[n];
       T* seq = transposed ? L.transposed(Y, h, n, W) : L.rows(Y, h, n, W);
-      for (int64_t j = 0; j < ck[n + 1] - ck[n]; ++j) {
+      for (int64_t j = 0; j < lk[n]; ++j) {
         const float* src = X + ((ck[n] + j) * H + h) * W;
         if (transposed) {
           T* chunk = seq + j / bn * W * ld;
@@ -314,6 +318,7 @@ at::Tensor chunked(const at::Tensor& x, const int64_t* ck, int64_t N, const Layo
 
 struct Shape {
   int64_t Tq, Tk, HQ, HKV, G, D, Dv, N;
+  std::vector<int64_t> lq, lk;   // per sequence: the queries and keys the kernel takes (0, 0 for one it skips)
 };
 
 // A tensor as the kernel reads or writes it: on the CPU, contiguous, of this dtype and these sizes.
@@ -324,11 +329,14 @@ void expect(const at::Tensor& t, const char* name, at::ScalarType dtype, at::Int
 }
 
 // The call's sizes, after checking q, k, v, the sequence bounds and the tensors of shape [HQ, Tq].
+// skip: int64 [N] (nonzero: a sequence the caller computes another way: the kernel writes none of its results),
+// or empty.
 Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-               const at::Tensor& cu_k, const at::Tensor& bounds, std::initializer_list<const at::Tensor*> per_row) {
+               const at::Tensor& cu_k, const at::Tensor& bounds, const at::Tensor& skip,
+               std::initializer_list<const at::Tensor*> per_row) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && cu_q.dim() == 1 && cu_q.numel() >= 1,
               "sinkattn_cpu: q, k, v must be [T, H, D] and cu_q [N + 1]");
-  Shape s{q.size(0), k.size(0), q.size(1), k.size(1), 0, q.size(2), v.size(2), cu_q.numel() - 1};
+  Shape s{q.size(0), k.size(0), q.size(1), k.size(1), 0, q.size(2), v.size(2), cu_q.numel() - 1, {}, {}};
   TORCH_CHECK(s.HKV > 0 && s.HQ % s.HKV == 0, "sinkattn_cpu: q's heads must be a multiple of k's");
   s.G = s.HQ / s.HKV;
   expect(q, "q", at::kFloat, {s.Tq, s.HQ, s.D});
@@ -342,8 +350,15 @@ Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(cq[0] == 0 && ck[0] == 0 && cq[s.N] == s.Tq && ck[s.N] == s.Tk,
               "sinkattn_cpu: cu_q and cu_k must run from 0 to Tq and Tk");
   const int64_t* b = bounds.data_ptr<int64_t>();
+  if (skip.numel()) expect(skip, "skip", at::kLong, {s.N});
+  const int64_t* sk = skip.numel() ? skip.data_ptr<int64_t>() : nullptr;
+  s.lq.resize(s.N);
+  s.lk.resize(s.N);
   for (int64_t n = 0; n < s.N; ++n) {
     TORCH_CHECK(cq[n] <= cq[n + 1] && ck[n] <= ck[n + 1], "sinkattn_cpu: cu_q and cu_k must not decrease");
+    const bool skipped = sk && sk[n];
+    s.lq[n] = skipped ? 0 : cq[n + 1] - cq[n];
+    s.lk[n] = skipped ? 0 : ck[n + 1] - ck[n];
     for (int64_t t = cq[n]; t < cq[n + 1]; ++t)
       TORCH_CHECK(b[2 * t + 1] <= b[2 * t] || (b[2 * t] >= 0 && b[2 * t + 1] <= ck[n + 1] - ck[n]),
                   "sinkattn_cpu: bounds must lie within their sequence's keys");
@@ -409,14 +424,15 @@ inline int64_t product_cols(int64_t C, int64_t bn) {
 // T: the products' operands (float, or bf16 for inputs that are bf16 values: P rounded to bf16 in P V).
 template <typename T>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-                  const at::Tensor& cu_k, const at::Tensor& bounds_t, double row_scale, double score_scale,
-                  int64_t BM, int64_t max_bn, at::Tensor& o, at::Tensor& m_out, at::Tensor& log_l_out) {
-  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_out, &log_l_out});
+                  const at::Tensor& cu_k, const at::Tensor& bounds_t, const at::Tensor& skip, double row_scale,
+                  double score_scale, int64_t BM, int64_t max_bn, at::Tensor& o, at::Tensor& m_out,
+                  at::Tensor& log_l_out) {
+  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, skip, {&m_out, &log_l_out});
   expect(o, "o", at::kFloat, {S.Tq, S.HQ, S.Dv});
   TORCH_CHECK(BM > 0 && max_bn > 0, "sinkattn_cpu: BM and BN must be positive");
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
-  const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
-  const at::Tensor kt = chunked<T>(k, ck, S.N, L, true), vc = chunked<T>(v, ck, S.N, L, false);
+  const Layout L(S.lq.data(), S.lk.data(), S.N, max_bn, std::max<int64_t>(1, BM / S.G));
+  const at::Tensor kt = chunked<T>(k, ck, S.lk.data(), S.N, L, true), vc = chunked<T>(v, ck, S.lk.data(), S.N, L, false);
   const float* Q = q.data_ptr<float>();
   const T *VC = vc.data_ptr<T>(), *KT = kt.data_ptr<T>();
   float *O = o.data_ptr<float>(), *Mo = m_out.data_ptr<float>(), *Lo = log_l_out.data_ptr<float>();
@@ -426,7 +442,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   struct Task { int64_t n, h; Block b; };
   std::vector<Task> tasks;
   for (int64_t n = 0; n < S.N; ++n)
-    for (const Block& b : row_blocks(bounds, cq[n], cq[n + 1] - cq[n], L.r[n]))
+    for (const Block& b : row_blocks(bounds, cq[n], S.lq[n], L.r[n]))
       for (int64_t h = 0; h < S.HKV; ++h) tasks.push_back({n, h, b});
 
   parallel_tasks((int64_t)tasks.size(), [&](int64_t first, int64_t end, int64_t step) {
@@ -732,10 +748,10 @@ template <typename T>
 void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& m_t, const at::Tensor& log_l_t, at::Tensor& delta_t, const at::Tensor& dlse_t,
                    const at::Tensor& sink_t, const at::Tensor& cu_q, const at::Tensor& cu_k,
-                   const at::Tensor& bounds_t, double row_scale, double score_scale, double softmax_scale,
-                   bool exact, int64_t BM, int64_t max_bn, int64_t kept_elements, int64_t split, at::Tensor& dq,
-                   at::Tensor& dk, at::Tensor& dv) {
-  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, {&m_t, &log_l_t, &delta_t});
+                   const at::Tensor& bounds_t, const at::Tensor& skip, double row_scale, double score_scale,
+                   double softmax_scale, bool exact, int64_t BM, int64_t max_bn, int64_t kept_elements, int64_t split,
+                   at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const Shape S = shape_of(q, k, v, cu_q, cu_k, bounds_t, skip, {&m_t, &log_l_t, &delta_t});
   expect(dout, "dout", at::kFloat, {S.Tq, S.HQ, S.Dv});
   expect(dq, "dq", at::kFloat, q.sizes());
   expect(dk, "dk", at::kFloat, k.sizes());
@@ -745,9 +761,10 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   if (dlse_t.numel()) expect(dlse_t, "dlse", at::kFloat, {S.HQ, S.Tq});
   if (sink_t.numel()) expect(sink_t, "sink_mass", at::kFloat, {S.HQ, S.Tq});
   const int64_t *cq = cu_q.data_ptr<int64_t>(), *ck = cu_k.data_ptr<int64_t>(), *bounds = bounds_t.data_ptr<int64_t>();
-  const Layout L(cq, ck, S.N, max_bn, std::max<int64_t>(1, BM / S.G));
-  const at::Tensor kt = chunked<T>(k, ck, S.N, L, true), vt = chunked<T>(v, ck, S.N, L, true),
-                   kc = chunked<T>(k, ck, S.N, L, false);
+  const Layout L(S.lq.data(), S.lk.data(), S.N, max_bn, std::max<int64_t>(1, BM / S.G));
+  const int64_t* lk = S.lk.data();
+  const at::Tensor kt = chunked<T>(k, ck, lk, S.N, L, true), vt = chunked<T>(v, ck, lk, S.N, L, true),
+                   kc = chunked<T>(k, ck, lk, S.N, L, false);
   float *DK = dk.data_ptr<float>(), *DV = dv.data_ptr<float>();
   const float post = (float)score_scale;
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
@@ -763,7 +780,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
                       fix.data(), best.data(), exp_floor_value(), post, (float)row_scale, (float)softmax_scale,
                       exact, kept_elements};
   std::vector<std::vector<Block>> blocks(S.N);
-  for (int64_t n = 0; n < S.N; ++n) blocks[n] = row_blocks(bounds, cq[n], cq[n + 1] - cq[n], L.r[n]);
+  for (int64_t n = 0; n < S.N; ++n) blocks[n] = row_blocks(bounds, cq[n], S.lq[n], L.r[n]);
   // dK, dV of keys [j0, j1) of sequence n, head h, from dK^T / dV^T chunks that start at key j0 / BN * BN
   auto store = [&](int64_t n, int64_t h, int64_t j0, int64_t j1, const float* dKT, const float* dVT) {
     const int64_t BN = L.bn[n], ldc = L.ld[n], first = j0 / BN * BN;
@@ -787,7 +804,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
         std::fill(dKT, dKT + chunks * S.D * ldc, 0.0f);
         std::fill(dVT, dVT + chunks * S.Dv * ldc, 0.0f);
         for (const Block& b : blocks[n]) B.block(w, Pass::Fused, n, h, b, 0, dKT, dVT);
-        store(n, h, 0, ck[n + 1] - ck[n], dKT, dVT);
+        store(n, h, 0, S.lk[n], dKT, dVT);
       }
       at::native::cpublas::brgemm_release(false);
     });
@@ -820,7 +837,7 @@ void backward_impl(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
       std::fill(dVT, dVT + S.Dv * ldc, 0.0f);
       for (const Block& b : blocks[n])      // the blocks that see a key of the chunk, in order
         if (b.k1 > b.k0 && b.k0 / BN * BN <= c && c < b.k1) B.block(w, Pass::DKV, n, task.h, b, c, dKT, dVT);
-      store(n, task.h, c, std::min(c + BN, ck[n + 1] - ck[n]), dKT, dVT);
+      store(n, task.h, c, std::min(c + BN, S.lk[n]), dKT, dVT);
     }
     at::native::cpublas::brgemm_release(false);
   });
@@ -1046,35 +1063,38 @@ std::vector<at::Tensor> forward_small_op(const at::Tensor& q, const at::Tensor& 
 }
 
 void forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-                const at::Tensor& cu_k, const at::Tensor& bounds, double row_scale, double score_scale, int64_t BM,
-                int64_t BN, bool bf16_products, at::Tensor o, at::Tensor m, at::Tensor log_l) {
-  (bf16_products ? forward_impl<bf16> : forward_impl<float>)(q, k, v, cu_q, cu_k, bounds, row_scale, score_scale, BM,
-                                                             BN, o, m, log_l);
+                const at::Tensor& cu_k, const at::Tensor& bounds, const at::Tensor& skip, double row_scale,
+                double score_scale, int64_t BM, int64_t BN, bool bf16_products, at::Tensor o, at::Tensor m,
+                at::Tensor log_l) {
+  (bf16_products ? forward_impl<bf16> : forward_impl<float>)(q, k, v, cu_q, cu_k, bounds, skip, row_scale,
+                                                             score_scale, BM, BN, o, m, log_l);
 }
 
 void backward_op(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& m, const at::Tensor& log_l, at::Tensor delta, const at::Tensor& dlse,
                  const at::Tensor& sink_mass, const at::Tensor& cu_q, const at::Tensor& cu_k,
-                 const at::Tensor& bounds, double row_scale, double score_scale, double softmax_scale, bool exact,
-                 int64_t BM, int64_t BN, int64_t kept_elements, bool bf16_products, int64_t split, at::Tensor dq,
-                 at::Tensor dk, at::Tensor dv) {
+                 const at::Tensor& bounds, const at::Tensor& skip, double row_scale, double score_scale,
+                 double softmax_scale, bool exact, int64_t BM, int64_t BN, int64_t kept_elements, bool bf16_products,
+                 int64_t split, at::Tensor dq, at::Tensor dk, at::Tensor dv) {
   (bf16_products ? backward_impl<bf16> : backward_impl<float>)(dout, q, k, v, m, log_l, delta, dlse, sink_mass, cu_q,
-                                                               cu_k, bounds, row_scale, score_scale, softmax_scale,
-                                                               exact, BM, BN, kept_elements, split, dq, dk, dv);
+                                                               cu_k, bounds, skip, row_scale, score_scale,
+                                                               softmax_scale, exact, BM, BN, kept_elements, split, dq,
+                                                               dk, dv);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(sinkattn_cpu, lib) {
-  lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
-          "float score_scale, int BM, int BN, bool bf16_products, Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l) -> ()");
+  lib.def("forward(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, Tensor bounds, Tensor skip, "
+          "float row_scale, float score_scale, int BM, int BN, bool bf16_products, Tensor(a!) o, Tensor(b!) m, "
+          "Tensor(c!) log_l) -> ()");
   lib.def("join_sink(Tensor(a!) o, Tensor(b!) m, Tensor(c!) log_l, Tensor sinks, Tensor(d!) lse) -> ()");
   lib.def("join_dense(Tensor(a!) o, Tensor lse_keys, Tensor q, Tensor k, Tensor? sinks, float softmax_scale, "
           "float max_bound, bool poison) -> Tensor[]");
   lib.def("forward_small(Tensor q, Tensor k, Tensor v, Tensor bounds, Tensor? sinks, float softmax_scale, "
           "float max_bound, bool poison) -> Tensor[]");
   lib.def("backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor m, Tensor log_l, Tensor(a!) delta, "
-          "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, float row_scale, "
+          "Tensor dlse, Tensor sink_mass, Tensor cu_q, Tensor cu_k, Tensor bounds, Tensor skip, float row_scale, "
           "float score_scale, float softmax_scale, bool exact, int BM, int BN, int kept_elements, "
           "bool bf16_products, int split, Tensor(b!) dq, Tensor(c!) dk, Tensor(d!) dv) -> ()");
 }
