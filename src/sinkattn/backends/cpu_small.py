@@ -32,12 +32,12 @@ SLAB_ELEMENTS = 1 << 22
 """Scores per bucket of short sequences (fp32: 16 MiB)."""
 
 SHORT_LENGTH = 16
-"""Sequences with at most this many queries and keys are batched here. Measured by
-``benchmarks/packing.py`` (its threshold section: fwd+bwd per visible pair against 1024-token
-sequences, packed batches of alternating lengths L and L+1, HQ=8, HKV=2, D=64): at L = 2 / 8
-batched 49x / 28x, one kernel call per sequence 291x / 42x; from L = 16 on the two are within the
-shared machine's noise of each other (docs/benchmarks.md, ``benchmarks/results/packing-cpu-2core.json``).
-Decoding rows against hundreds of keys are cheaper one call each too."""
+"""Sequences with at most this many queries and keys are batched here, in training too (the compiled
+kernel skips them). Measured by ``benchmarks/packing.py`` (its threshold section: fwd+bwd per visible pair
+against 1024-token sequences, packed batches of alternating lengths L and L+1) and ``benchmarks/ab.py``'s
+``tiny`` section: from L = 16 on the batch and a kernel task per sequence are within the shared machine's
+noise of each other; below, the batch wins where the sequences are many (20,000 of 1-3 tokens: 2.4x faster
+per training step). Figures: docs/benchmarks.md, "Packed lengths"."""
 
 
 def padded_length(L: torch.Tensor) -> torch.Tensor:
