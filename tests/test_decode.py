@@ -19,14 +19,14 @@ from sinkattn.testing import precision
 HQ, HKV, D = 8, 2, 32
 
 
-def _inputs(B, Sq, Sk, dtype=torch.float32, scale=1.0, heads_first=False, seed=0):
+def _inputs(B, Sq, Sk, heads_first=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Sq, HQ, D, generator=g) * scale
-    k = torch.randn(B, Sk, HKV, D, generator=g) * scale
+    q = torch.randn(B, Sq, HQ, D, generator=g)
+    k = torch.randn(B, Sk, HKV, D, generator=g)
     v = torch.randn(B, Sk, HKV, D, generator=g)
     if heads_first:       # Hugging Face's cache layout [B, H, S, D], handed over transposed
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
-    return q.to(dtype), k.to(dtype), v.to(dtype), torch.randn(HQ, generator=g)
+    return q, k, v, torch.randn(HQ, generator=g)
 
 
 def _both(q, k, v, sinks, **options):
