@@ -3,8 +3,8 @@
     python benchmarks/compensated.py [--backend triton|cpu|cpu-kernel] [--seeds 32] [--threads N]
                                       [--json FILE] [--quick]
 
-The batches are those of ``tests/test_random_packed.py::test_random_packed_batches_triton`` (seeds
-0..N-1, ``cases.random_packed`` at ``cases.INTERPRETER_RANDOM`` sizes), run through the interpreter
+The batches are those of the Triton random table of ``tests/test_varlen_gate_a.py`` (seeds 0..N-1,
+``cases.random_packed`` at ``cases.INTERPRETER_RANDOM`` sizes), run through the interpreter
 when there is no GPU. For fp16 and bf16, each with ``COMPENSATED = False`` and ``True``: how many
 batches fail Gate A, which ones, and per tensor the worst ratio and largest error over all batches.
 The wall time of the checks (golden included) is printed for CI's budget; an interpreter time says

@@ -1,5 +1,6 @@
 """The CPU paths on their own: the tiles (every call that needs gradients) and the fused kernel (the
-inference forward), and the tiling plans' guarantees."""
+inference forward): which call takes which, and the tiling plans' guarantees. Their results pass Gate A
+in the matrix (test_varlen_gate_a.py)."""
 
 import itertools
 
@@ -9,31 +10,24 @@ import torch
 from sinkattn.masks import Window
 from sinkattn.backends import cpu_fused, cpu_tiles
 from sinkattn.testing import cases, verify
+from harness import tables
 from conftest import describe
 
-PATH_CASES = [c for c in cases.cases("L2") if max(c.q_lens + c.k_lens) <= 200] + [
-    c for c in cases.cases("boundary") if not c.qk_uniform and c.input_affine[0] < 10]
 
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in PATH_CASES])
-def test_inference_forward_passes_gate_a(case):
-    """Without gradients the runs go through the fused kernel: its forward alone meets the standard."""
-    reports = verify.inference_reports(case)
-    assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in PATH_CASES[:8]])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in tables.INFERENCE_LEVELS[:8]])
 def test_inference_takes_the_fused_kernel_and_training_does_not(case, monkeypatch):
+    """Where the calls go (their results pass Gate A in the matrix, test_varlen_gate_a.py)."""
     calls = []
     for module in (cpu_fused, cpu_tiles):
         def recorded(*a, _real=module.forward, _module=module, **kw):
             calls.append(_module)
             return _real(*a, **kw)
         monkeypatch.setattr(module, "forward", recorded)
-    verify.inference_reports(case)
+    x = case.make()
+    verify.inference(case, x)
     assert cpu_tiles not in calls
     calls.clear()
-    assert verify.run_case(case, "cpu").passed
+    verify.outputs(case, x, "cpu")
     assert cpu_fused not in calls
 
 
@@ -102,19 +96,13 @@ def test_rows_per_block_keeps_a_tile_within_its_budget():
 
 
 @pytest.mark.parametrize("window", [(100, 0), (40, 40), (-1, 20), (150, -1)])
-@pytest.mark.parametrize("B", [1, 2])
-def test_batched_runs_of_blocks_match_the_golden(window, B):
-    """Long windowed sequences: the fused kernel's batched runs of same-geometry blocks (overlapping key
-    windows, B > 1 item by item) for inference, and the tiles (several chunks per row block) for training."""
-    case = cases.Case("L2", 4, 2, (700,) * B, (700,) * B, D=32, dtype=torch.float32, causal=False,
-                      window_size=window)
+def test_fused_plan_batches_the_blocks_of_a_band(window):
+    """Long windowed sequences (``harness.tables.LONG_WINDOW``, which the matrix holds to Gate A): the fused
+    kernel's plan batches runs of same-geometry blocks, which only a band (a window bounded on both sides)
+    repeats block after block."""
     left, right = window
-    bounded = left >= 0 and right >= 0          # only a band repeats its geometry block after block
+    bounded = left >= 0 and right >= 0
     assert any(p.count > 1 for p in cpu_fused.plan(700, 700, Window(left, right))) == bounded
-    reports = verify.inference_reports(case)
-    assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
-    result = verify.run_case(case, "cpu")
-    assert result.passed, describe(result)
 
 
 def test_reference_backend_matches_the_golden_through_the_protocol():

@@ -1,7 +1,7 @@
 """Inference on dense batches (KV-cache decoding): eager calls without gradients run the op's implementation
 directly (no dispatch), and the cpu backend computes them with one fused-kernel call on the tensors as they
-are. Training calls take the tiles (``cpu_tiles``): the two forwards agree to rounding, each within Gate A
-of the golden, and every call that anything intercepts still goes through the op."""
+are. Training calls take the tiles (``cpu_tiles``): the two forwards agree to rounding (each within Gate A
+of the golden: test_dense_gate_a.py), and every call that anything intercepts still goes through the op."""
 
 import os
 import sys
@@ -19,14 +19,14 @@ from sinkattn.testing import precision
 HQ, HKV, D = 8, 2, 32
 
 
-def _inputs(B, Sq, Sk, dtype=torch.float32, scale=1.0, heads_first=False, seed=0):
+def _inputs(B, Sq, Sk, heads_first=False, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Sq, HQ, D, generator=g) * scale
-    k = torch.randn(B, Sk, HKV, D, generator=g) * scale
+    q = torch.randn(B, Sq, HQ, D, generator=g)
+    k = torch.randn(B, Sk, HKV, D, generator=g)
     v = torch.randn(B, Sk, HKV, D, generator=g)
     if heads_first:       # Hugging Face's cache layout [B, H, S, D], handed over transposed
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
-    return q.to(dtype), k.to(dtype), v.to(dtype), torch.randn(HQ, generator=g)
+    return q, k, v, torch.randn(HQ, generator=g)
 
 
 def _both(q, k, v, sinks, **options):
@@ -51,28 +51,14 @@ CALLS = {
 @pytest.mark.parametrize("heads_first", [False, True], ids=["tokens-first", "heads-first"])
 @pytest.mark.parametrize("call", list(CALLS))
 def test_inference_agrees_with_the_training_forward(call, heads_first):
+    """The two forwards of a dense call agree to rounding (each passes Gate A in the matrix,
+    test_dense_gate_a.py, in either layout)."""
     (B, Sq, Sk), options = CALLS[call]
     q, k, v, sinks = _inputs(B, Sq, Sk, heads_first=heads_first)
     (out, lse), (out_t, lse_t) = _both(q, k, v, sinks, **options)
-    gold, gold_lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, return_lse=True, backend="reference", **options)
-    for o, l in ((out, lse), (out_t, lse_t)):
-        assert precision.gate_a("o", o, gold).gate_a and precision.gate_a("lse", l, gold_lse).gate_a
     torch.testing.assert_close(out, out_t, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, lse_t, rtol=1e-5, atol=1e-6)
     assert out.shape == (B, Sq, HQ, D) and lse.shape == (B, HQ, Sq) and out.is_contiguous()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("scale", [1.0, 30.0], ids=["scores-small", "scores-large"])
-def test_inference_passes_gate_a(dtype, scale):
-    q, k, v, sinks = _inputs(3, 1, 50, dtype=dtype, scale=scale)
-    with torch.no_grad():
-        out, lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, window_size=(20, 0), return_lse=True)
-        gold, gold_lse = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, window_size=(20, 0),
-                                                 return_lse=True, backend="reference")
-    assert out.dtype == dtype
-    assert precision.check("o", out, gold, dtype=dtype).gate_a
-    assert precision.check("lse", lse, gold_lse, dtype=torch.float32).gate_a
 
 
 @pytest.mark.parametrize("what", ["finite", "nan-q", "inf-k", "nan-v", "no-sinks", "scores-past-fp32"])

@@ -1,60 +1,20 @@
 """Head dims beyond the level tables: a value head dim ``Dv`` other than q's and k's ``D`` (MiMo-V2-Flash's
 192 / 128, MLA-style models' query dim above the value dim, or below it), and head dims up to 512
-(DeepSeek-V4's), forward and backward against the float64 golden with the precision standard
-(Gate A), through the public API with NaN-poisoned result buffers. The Triton backend's cases are in
-test_triton.py (through its interpreter)."""
+(DeepSeek-V4's): the golden held to a second formulation, one tensor as both k and v, and the limit.
+Their Gate A (``harness.tables.HEAD_DIMS``, the Triton backend's ``TRITON_SHAPES``, the dense call's
+``value-dim``) is in the matrices, test_varlen_gate_a.py and test_dense_gate_a.py."""
 
 import pytest
 import torch
 
 import sinkattn
 from sinkattn.testing import cases, precision, verify
-from conftest import describe
+from harness import tables
 
-CASES = [
-    cases.Case("L2", 4, 2, (37, 0, 70), (37, 0, 70), D=24, Dv=16),
-    cases.Case("L2", 4, 2, (53, 21), (53, 21), D=192, Dv=128, dtype=torch.bfloat16, window_size=(15, 0)),
-    cases.Case("L2", 4, 4, (29, 40), (45, 40), D=16, Dv=40, dtype=torch.float32, causal=False),
-    cases.Case("L2", 2, 1, (3, 1, 2), (3, 4, 2), D=40, Dv=8, dtype=torch.float32, window_size=(1, 1)),
-    cases.Case("L2", 2, 2, (70,), (70,), D=512),
-    cases.Case("L2", 2, 2, (41, 9), (41, 9), D=512, dtype=torch.float32, causal=False, window_size=(8, 5)),
-    cases.Case("L2", 4, 4, (33,), (33,), D=320, Dv=512, dtype=torch.bfloat16, lse_grad=True),
-]
-IDS = [c.name for c in CASES]
+CASES = tables.HEAD_DIMS[:4]
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_training_call_passes_gate_a(case):
-    result = verify.run_case(case, "cpu")
-    assert result.passed, describe(result)
-    dv = [r for r in result.reports if r.name == "dv"]
-    assert len(dv) == 1
-
-
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_inference_call_passes_gate_a(case):
-    """No gradient: the fused kernel's path where it takes the call (Dv = D), else the tiles."""
-    x = case.make()
-    out, lse = verify.inference(case, x)
-    assert out.shape == x.q.shape[:-1] + x.v.shape[-1:]
-    reports = verify.inference_reports(case, x=x, results=(out, lse))
-    assert all(r.gate_a for r in reports), [r.as_dict() for r in reports]
-
-
-@pytest.mark.parametrize("D,Dv", [(192, 128), (16, 40), (512, 512)])
-def test_dense_call_with_its_own_value_dim(D, Dv):
-    """The dense API (and, without gradient, the cpu backend's dense fast path) against the golden."""
-    g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(2, 9, 4, D, generator=g), torch.randn(2, 12, 2, D, generator=g)
-    v, sinks = torch.randn(2, 12, 2, Dv, generator=g), torch.randn(4, generator=g)
-    gold = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True, backend="reference")
-    with torch.no_grad():
-        out = sinkattn.sink_attn_func(q, k, v, sinks=sinks, causal=True)
-    assert out.shape == (2, 9, 4, Dv)
-    assert precision.gate_a("o", out, gold).gate_a
-
-
-@pytest.mark.parametrize("case", CASES[:4], ids=IDS[:4])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_golden_matches_an_independent_formulation(case):
     """The float64 golden with Dv != D against eager attention (the sink as an extra softmax column) in
     float64, forward and backward: two formulations, ~1e-12 apart."""

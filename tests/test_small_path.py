@@ -1,50 +1,17 @@
-"""The cpu backend's batched path for packed short sequences (``cpu_small``), through the public API with
-NaN-poisoned buffers against the float64 golden (mixed with longer sequences and decoding rows), and what
-it promises beyond the values: a short sequence's result does not depend on the rest of the call, and
-empty sequences cost no work. Each test runs on the PyTorch-op paths (where ``cpu_small`` takes these
-sequences) and through the compiled kernel (``cpu_path``)."""
+"""The cpu backend's batched path for packed short sequences (``cpu_small``): what it promises beyond the
+values (those pass Gate A in the matrix, test_varlen_gate_a.py: tables ``short``, ``short-edges`` and
+random batches with every sequence it can hold): a short sequence's result does not depend on the rest
+of the call, and empty sequences cost no work. Each test runs on the PyTorch-op paths (where ``cpu_small``
+takes these sequences) and through the compiled kernel (``cpu_path``)."""
 
 import pytest
 import torch
 
 import sinkattn
 from sinkattn.backends import cpu, cpu_small, layout
-from sinkattn.testing import cases, verify
-from conftest import describe
+from harness import tables
 
 pytestmark = pytest.mark.usefixtures("cpu_path")
-
-C = cases.Case
-SMALL_CASES = [
-    C("L2", 4, 2, (1, 2, 3, 0, 3, 1, 2, 2), (1, 2, 3, 0, 3, 1, 2, 2), D=16, dtype=torch.float32, note="short"),
-    C("L2", 4, 2, (1, 1, 4, 16, 3, 1), (5, 40, 9, 16, 0, 300), D=16, dtype=torch.float32, note="decoding"),
-    C("L2", 4, 2, (1, 1, 4, 16, 3, 1), (5, 40, 9, 16, 0, 300), D=16, dtype=torch.float32, window_size=(7, 0),
-      note="decoding"),
-    C("L2", 8, 4, (30, 100, 7, 24, 1, 0, 2), (30, 100, 7, 24, 1, 5, 2), D=32, causal=False, window_size=(2, 3),
-      lse_grad=True, note="mixed"),
-    C("L2", 4, 1, (17, 23, 5, 60), (17, 23, 5, 60), D=24, dtype=torch.bfloat16, lse_grad=True, note="padded"),
-    C("L2", 4, 2, (3, 9, 12, 2), (3, 9, 12, 2), D=16, causal=False, window_size=(-1, 1), sink_scale=None,
-      note="nosink"),
-] + [C("boundary", 4, 2, (3, 9, 12, 2), (3, 9, 12, 2), D=16, sink_value=s, note=f"sink{s}")
-     for s in (float("inf"), float("-inf"), float("nan"), 0.0)]
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in SMALL_CASES])
-def test_small_sequences_pass_gate_a(case):
-    HQ = case.HQ
-    parts = cpu.split(*(case.make().cu_seqlens_q, case.make().cu_seqlens_k), HQ)
-    assert parts.small is not None            # the case exercises the small path
-    result = verify.run_case(case, "cpu", repeats=2)
-    assert result.passed and result.deterministic, describe(result)
-
-
-@pytest.mark.parametrize("seed", [1, 3])
-def test_every_packed_sequence_through_the_small_path(seed, monkeypatch):
-    """Random packed batches (lengths 0-300) with the small path taking every sequence it can hold."""
-    monkeypatch.setattr(cpu_small, "SHORT_LENGTH", 10**9)
-    case = cases.random_packed(seed)
-    result = verify.run_case(case, "cpu")
-    assert result.passed, describe(result)
 
 
 def _sequence_in(lens, index, x, seed=5):
@@ -82,20 +49,11 @@ def test_empty_sequences_add_no_work():
     assert parts.small.Lq.tolist() == [5, 3] and parts.keys_only is None
 
 
-def test_sequences_without_queries_or_keys_pass_gate_a():
-    case = C("L2", 4, 2, (0, 3, 0, 2, 0, 70, 4) + (0,) * 50, (6, 3, 0, 0, 4, 70, 4) + (0,) * 50, D=16,
-             dtype=torch.float32, note="empty")
-    parts = cpu.split(case.make().cu_seqlens_q, case.make().cu_seqlens_k, 4)
-    assert parts.keys_only.Lk.tolist() == [6, 4]
-    result = verify.run_case(case, "cpu")
-    assert result.passed, describe(result)
-
-
-@pytest.mark.parametrize("k_lens", [(4, 3, 0), (0, 0, 0)], ids=["last-without-keys", "no-keys-at-all"])
-def test_sequences_without_keys_at_the_end(k_lens):
-    case = C("L2", 4, 2, (3, 2, 5), k_lens, D=8, dtype=torch.float32, note="nokeys")
-    result = verify.run_case(case, "cpu")
-    assert result.passed, describe(result)
+def test_keys_of_sequences_without_queries_are_listed_apart():
+    """Sequences without queries but with keys (``harness.tables.SHORT_EDGES``' first batch, which the matrix
+    holds to Gate A): no row sees their keys (their gradients are 0), listed as ``keys_only``."""
+    x = tables.SHORT_EDGES[0].make()
+    assert cpu.split(x.cu_seqlens_q, x.cu_seqlens_k, 4).keys_only.Lk.tolist() == [6, 4]
 
 
 def test_padded_lengths_are_buckets_of_at_most_an_eighth_more():

@@ -1,6 +1,8 @@
 """The Triton backend's real kernels, on this machine through ``TRITON_INTERPRET=1`` (set in
-conftest when there is no GPU), against the float64 golden. Cases are scaled down (lengths <= 64,
-heads <= 4, D <= 32) so the interpreter stays within CI's budget."""
+conftest when there is no GPU): what they refuse, their schedule and launch, the large-scores flag,
+the resource audit. Their Gate A against the float64 golden (the levels scaled down to lengths <= 64,
+heads <= 4, D <= 32 so the interpreter stays within CI's budget, and the shapes of
+``harness.tables.TRITON_SHAPES``) is in the matrix, test_varlen_gate_a.py."""
 
 from pathlib import Path
 
@@ -16,55 +18,10 @@ from sinkattn.backends import triton as triton_backend
 from sinkattn.backends.triton import config, kernels, schedule
 from sinkattn.backends.capabilities import Batch
 from sinkattn.backends import buffers
-from harness import triton_audit
-from conftest import DEVICE, describe
+from harness import tables, triton_audit
+from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _small(case):
-    return case.scaled(max_len=64, max_heads=4, max_dim=32)
-
-
-def _params(level):
-    mark = getattr(pytest.mark, level)
-    return [pytest.param(_small(c), id=_small(c).name, marks=mark) for c in cases.cases(level)]
-
-
-@pytest.mark.parametrize("case", _params("L0") + _params("L1") + _params("L2") + _params("boundary"))
-def test_triton_gate_a(case):
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
-
-
-@pytest.mark.parametrize("D", [80, 256])
-def test_triton_full_head_dims(D):
-    case = cases.Case("L2", 2, 2, (40,), (40,), D=D)
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
-
-
-@pytest.mark.parametrize("case", [
-    cases.Case("L2", 2, 2, (20, 0, 33), (20, 0, 33), D=24, Dv=16, window_size=(9, 0)),
-    cases.Case("L2", 2, 1, (17,), (30,), D=16, Dv=40, dtype=torch.float32, causal=False, lse_grad=True),
-], ids=lambda c: c.name)
-def test_triton_value_head_dim_differs(case):
-    """``v [Tk, HKV, Dv]`` with ``Dv != D``: q, k and v padded to one ``BLOCK_D`` (the audited classes)."""
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
-
-
-@pytest.mark.parametrize("case", [
-    cases.Case("L2", 4, 2, (13, 0, 20), (13, 0, 20), D=512, window_size=(7, 0)),
-    cases.Case("L2", 2, 1, (17,), (24,), D=320, Dv=512, dtype=torch.float32, causal=False, lse_grad=True),
-], ids=lambda c: c.name)
-def test_triton_head_dims_past_256(case):
-    """The 512 class (DeepSeek-V4's D = 512; D = 320 with Dv = 512 pads q, k, v to 512): a packed GQA batch
-    with an empty sequence and a sliding window, and an MHA call with Lq < Lk, no mask and an lse
-    gradient, forward and backward against the float64 golden, twice: bitwise the same."""
-    result = verify.run_case(case, "triton", repeats=2, device=DEVICE)
-    assert result.passed and result.deterministic is True, describe(result)
-    assert config.block_d(max(case.D, case.Dv or case.D)) == 512
 
 
 def test_triton_refuses_head_dims_past_its_tiles_naming_the_fix():
@@ -92,13 +49,6 @@ def test_fp32_backward_past_256_is_refused_where_it_does_not_fit(monkeypatch):
     cu = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with buffers.poisoned(), pytest.raises(NotImplementedError, match="float16 / bfloat16, or backend='cpu'"):
         triton_backend.forward(q, q, q, Batch(cu, cu, 4, 4), Window(-1, 0), 0.1, True)
-
-
-@pytest.mark.determinism
-@pytest.mark.parametrize("case", [pytest.param(_small(c), id=_small(c).name) for c in cases.cases("L0")[:4]])
-def test_triton_bitwise_deterministic(case):
-    result = verify.run_case(case, "triton", repeats=3, device=DEVICE)
-    assert result.deterministic is True, describe(result)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -161,7 +111,7 @@ def test_audit_limits_flag_spills_and_shared_memory_past_the_chip():
 
 def test_compensated_flag_must_be_a_bool(monkeypatch):
     monkeypatch.setattr(triton_backend, "COMPENSATED", None)
-    result = verify.run_case(_small(cases.cases("L0")[0]), "triton", device=DEVICE)
+    result = verify.run_case(tables.interpreter_size(cases.cases("L0")[0]), "triton", device=DEVICE)
     assert result.error is not None and result.error.startswith("TypeError") and "COMPENSATED" in result.error
 
 
@@ -300,14 +250,6 @@ def test_program_order_and_chunks_change_no_bit(monkeypatch):
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
-@pytest.mark.parametrize("HQ,G", [(6, 3), (12, 6)], ids=["g3", "g6"])
-def test_groups_that_do_not_fill_the_packed_tile(HQ, G):
-    """GQA packing with a group size that does not divide the tile's rows (some rows idle)."""
-    case = cases.Case("L2", HQ, G, (21, 0, 9), (21, 3, 12), D=16, window_size=(6, 0), lse_grad=True)
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
-
-
 def _flag_inputs(case):
     """``(q, k, softmax_scale)`` for the exact-Delta decision: the bound ``|scale| max|q_i| max|k_j|``."""
     q, k = torch.randn(6, 4, 16, device=DEVICE), torch.randn(5, 2, 16, device=DEVICE)
@@ -384,12 +326,10 @@ def test_the_device_flag_picks_the_dq_kernel_that_works():
 
 
 def test_large_scores_take_the_exact_delta_on_the_device(monkeypatch):
-    """The boundary case with q and k uniform in +-32000 passes Gate A through the device-side decision;
-    with the flag forced to 0 (the Delta kernel's ``Delta``) its dq and dk miss it: the flag is what
-    selects the exact pass."""
-    case = next(_small(c) for c in cases.cases("boundary") if c.qk_uniform == 32000.0)
-    result = verify.run_case(case, "triton", device=DEVICE)
-    assert result.passed, describe(result)
+    """The boundary case with q and k uniform in +-32000 passes Gate A through the device-side decision (in
+    the matrix, test_varlen_gate_a.py); with the flag forced to 0 (the Delta kernel's ``Delta``) its dq and
+    dk miss it: the flag is what selects the exact pass."""
+    case = next(tables.interpreter_size(c) for c in cases.cases("boundary") if c.qk_uniform == 32000.0)
     monkeypatch.setattr(triton_backend, "large_scores_flag",
                         lambda q, k, scale: torch.zeros(1, dtype=torch.int32, device=q.device))
     failed = {r.name for r in verify.run_case(case, "triton", device=DEVICE).reports if not r.gate_a}

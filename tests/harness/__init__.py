@@ -6,7 +6,8 @@
 * ``gpt_oss``, ``families``: tiny seeded Hugging Face models with sinks (no downloads);
 * ``training``: a tokenizer, data sets and a collator made here, for the trainer tests;
 * ``isa``: child processes held to a narrower CPU instruction set;
-* ``triton_audit``: the Triton kernels' resource audit (``PYTHONPATH=tests python -m harness.triton_audit``).
+* ``triton_audit``: the Triton kernels' resource audit (``PYTHONPATH=tests python -m harness.triton_audit``);
+* ``tables``: the tests' case tables beyond the levels (the Gate A matrices', and what other tests run on them).
 
 Importable as ``harness`` with ``tests/`` on ``sys.path``: pytest puts it there (``tests/`` has no
 ``__init__.py``), as does Python for a script run from ``tests/``; processes started with
