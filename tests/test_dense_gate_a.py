@@ -8,14 +8,6 @@ Layouts: ``tokens-first`` (``[B, S, H, D]`` contiguous), ``heads-first`` (Huggin
 as it is, ``forward_dense``: the compiled kernel for a few queries, else PyTorch's fused kernel, else the
 packed paths), ``training`` (the packed paths, forward and backward: o, lse, dq, dk, dv, dsinks). Sinks
 are fp32 whatever the inputs' dtype, as a model's parameter.
-
-    was (tests/)                                                   now
-    test_decode.py::test_inference_agrees_with_the_training_forward  decode ... full x both layouts x both modes
-        (Gate A of o and lse; the agreement of the two forwards stays there)   (training: the gradients too)
-    test_decode.py::test_inference_passes_gate_a                   decode-window(-sharp) b3, fp32 / bf16
-    test_head_dims.py::test_dense_call_with_its_own_value_dim (o)  value-dim: o and lse
-
-All three ran inference on ``tokens-first`` at least; every case now runs in both layouts and modes.
 """
 
 from __future__ import annotations

@@ -11,27 +11,25 @@ every sequence it can hold); ``triton`` (through its interpreter without a GPU).
 (forward and backward: o, lse, dq, dk, dv, dsinks; ``xN``: N runs, bitwise equal), ``inference`` (no
 gradient: o, lse). Tables: ``sinkattn.testing.cases`` (levels, random) and ``harness.tables``.
 
-    table (xN: N runs)        paths                                modes      was, in tests/
-    L0 (x3: determinism)      cpu                                  training   test_levels.py: both tests
-    L1, L2, boundary          cpu                                  training   test_levels.py
-    INFERENCE_LEVELS          cpu                                  inference  test_cpu_paths.py
-    levels, interpreter size  triton                               training   test_triton.py (gate_a,
-      (L0[:4] x3)                                                             bitwise_deterministic)
-    head-dims                 cpu                                  both       test_head_dims.py
-    kernel (x2)               cpu-compiled, cpu-python             training   test_cpu_kernel.py (both_paths)
-    kernel-bf16 (x2)          cpu-compiled-bf16                    training   test_cpu_kernel.py (bf16_products)
-    short (x2), short-edges   cpu-compiled, cpu-python             training   test_small_path.py
-    random seeds 1, 3         cpu-compiled/python-all-short        training   test_small_path.py
-    small-calls (x2)          cpu                                  training   test_small_calls.py
-    long-window               cpu                                  both       test_cpu_paths.py (batched_runs)
-    triton-shapes (512s x2)   triton                               training   test_triton.py (full_head_dims,
-                                                                              value_head_dim, past_256, groups)
-    random: 32 seeds x fp16,  triton                               training   test_random_packed.py
-      bf16, fp32 (0, 1 x2)
-    random (hypothesis)       cpu                                  training   test_random_packed.py
-    sharp_cases (hypothesis)  cpu                                  inference  test_score_sizes.py
+    table (xN: N runs)                    paths                              modes
+    L0 (x3: determinism)                  cpu                                training
+    L1, L2, boundary                      cpu                                training
+    INFERENCE_LEVELS                      cpu                                inference
+    levels at interpreter size (L0[:4] x3) triton                            training
+    head-dims                             cpu                                both
+    kernel (x2)                           cpu-compiled, cpu-python           training
+    kernel-bf16 (x2)                      cpu-compiled-bf16                  training
+    short (x2), short-edges               cpu-compiled, cpu-python           training
+    random seeds 1, 3                     cpu-compiled/python-all-short      training
+    small-calls (x2)                      cpu                                training
+    long-window                           cpu                                both
+    triton-shapes (512s x2)               triton                             training
+    random: 32 seeds fp16, 12 bf16 and    triton                             training
+      12 fp32 (seeds 0, 1 x2)
+    random (hypothesis)                   cpu                                training
+    sharp_cases (hypothesis)              cpu                                inference
 
-A case that two old tests ran on the same path and mode runs once, with all their level markers (L1's first
+A case that two tables hold on the same path and mode runs once, with all their level markers (L1's first
 case is L0's first; at the Triton interpreter's size 20 of the 56 level cases are copies of others). Gate A checks that
 stay beside what else they check: test_nonfinite.py (NaN / inf inputs), test_sink.py (keyless rows
 take the sink), test_autocast.py (autocast's dtypes), test_score_sizes.py (Gate B), test_head_dims.py
@@ -128,7 +126,7 @@ MATRIX = merged([
     *block(tables.LONG_WINDOW, ["cpu"], MODES, "long-window"),
     *block(tables.TRITON_SHAPES[:4] + tables.TRITON_SHAPES[6:], ["triton"], ["training"], "triton-shapes"),
     *block(tables.TRITON_SHAPES[4:6], ["triton"], ["training"], "triton-shapes", repeats=2),
-    *[cell for dtype in (torch.float16, torch.bfloat16, torch.float32) for seed in tables.INTERPRETER_SEEDS
+    *[cell for dtype, seeds in tables.INTERPRETER_SEEDS.items() for seed in seeds
       for cell in block([tables.interpreter_random(seed, dtype)], ["triton"], ["training"],
                         repeats=2 if seed in tables.INTERPRETER_DETERMINISM_SEEDS else 1)],
 ])
@@ -224,7 +222,7 @@ def test_the_tables_reach_what_they_are_for():
         x = case.make()
         assert cpu.split(x.cu_seqlens_q, x.cu_seqlens_k, case.HQ).small is not None, case.name
     assert all(config.block_d(max(c.D, c.Dv or c.D)) == 512 for c in tables.TRITON_SHAPES[4:6])
-    drawn = [tables.interpreter_random(seed, torch.float16) for seed in tables.INTERPRETER_SEEDS]
+    drawn = [tables.interpreter_random(seed, torch.float16) for seed in tables.INTERPRETER_SEEDS[torch.float16]]
     lengths = {n for c in drawn for n in c.q_lens + c.k_lens}
     assert {0, 1} <= lengths
     assert any(n % 2 and n > 16 for n in lengths) and any(n > 16 and n % 16 for n in lengths)
