@@ -19,6 +19,10 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():   # run the Triton kernels on CPU tensors through the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from harness import interpreter
+
+    interpreter.patch_once_per_launch()
 
 import pytest  # noqa: E402
 
@@ -45,6 +49,16 @@ def cold_cache_env(tmp_path) -> dict:
     compiled code of the sinkattn that was here before, instead of compiling this one."""
     return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
                 TRITON_CACHE_DIR=str(tmp_path / "triton"))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: a local call compared with ranks that run one thread each, or a
+    small golden (on two shared cores, OpenMP teams wait on each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def describe(result) -> str:
