@@ -234,15 +234,6 @@ def precision_runs(tmp_path_factory):
     return results["cases"]
 
 
-@pytest.fixture
-def one_thread():
-    """The golden of a small case in one thread: on two shared cores, OpenMP teams wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("case", PRECISION, ids=lambda c: c.name)
 @pytest.mark.parametrize("P", PRECISION_SIZES, ids=lambda P: f"P{P}")
 def test_context_parallel_meets_the_precision_standard(precision_runs, one_thread, P, case):

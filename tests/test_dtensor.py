@@ -27,15 +27,6 @@ def ranks(request, tmp_path_factory):
     return P, results
 
 
-@pytest.fixture
-def one_thread():
-    """The ranks run on one thread each: so does the local call they are compared with."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _local_call(case, rank, P):
     """The plain call on rank ``rank``'s heads (all heads when the case replicates q/k/v), and its gradients."""
     x = inputs(case)
