@@ -45,8 +45,7 @@ __all__ = ["main"]
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
-CLI_EXTRAS = 'pip install rich matplotlib (the "cli" extra: pip install "sinkattn[cli]")'
-"""How to install the command's display extras: the same words for a wheel and for a source checkout."""
+CLI_EXTRAS = options.CLI_EXTRAS
 
 LEGEND = (f"A ratio: share within Gate A's tolerance (pass >= "
           f"{min(t.required_ratio for t in precision.TOLERANCES.values()):g}); "

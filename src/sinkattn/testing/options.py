@@ -23,8 +23,8 @@ __all__ = ["DTYPES", "DTYPE_CHOICES", "dtype", "shape", "window", "names", "at_l
 DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "float32": torch.float32}
 DTYPE_CHOICES = "fp16|bf16|fp32 (or float16|bfloat16|float32)"
-CLI_EXTRAS = 'pip install -e ".[cli]" in the sinkattn source tree'
-"""The command that installs the CLI's extras (rich, matplotlib): sinkattn is installed from its source tree."""
+CLI_EXTRAS = 'pip install rich matplotlib (the "cli" extra: pip install "sinkattn[cli]")'
+"""How to install the command's display extras: the same words for a wheel and for a source checkout."""
 
 _Bad = argparse.ArgumentTypeError
 
