@@ -3,11 +3,13 @@
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import sinkattn
 from sinkattn import ops
 from conftest import cold_cache_env
 
@@ -107,3 +109,25 @@ def test_numpy_bool_under_compile_runs_or_says_pass_a_python_bool(tmp_path):
                          env=cold_cache_env(tmp_path))
     assert run.returncode == 0, run.stderr[-4000:]
     assert run.stdout.split("\n")[:2] == ["default True", "fullgraph refused: True"], run.stdout + run.stderr[-3000:]
+
+
+def test_tracing_a_call_warns_nothing(monkeypatch):
+    """Dynamo warns about any ``functools.lru_cache`` it traces through ("silent incorrectness is a potential
+    risk"): under compile the backend choice is made uncached, and a traced call warns nothing."""
+    from torch._dynamo import utils
+
+    monkeypatch.setattr(utils, "warn_once_cache", set())          # warnings other tests have drawn out
+    q, k, v, sinks, cu, longest = _op_args([5, 0, 9], "cpu", torch.float32)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def attend(q, k, v, sinks):
+        return sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, longest, longest, sinks=sinks, causal=True)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = attend(q, k, v, sinks)
+    assert torch.equal(out, sinkattn.sink_attn_varlen_func(q, k, v, cu, cu, longest, longest, sinks=sinks,
+                                                           causal=True))
+    assert [str(w.message) for w in caught] == []
+

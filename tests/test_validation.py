@@ -155,7 +155,8 @@ def test_cu_seqlens_changed_in_place_is_checked_again():
     args = _packed()
     sink_attn_varlen_func(**args)                       # valid: checked once, then remembered
     args["cu_seqlens_q"][1] = 11                        # in place: a new version of the same tensor
-    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing, got cu_seqlens_q\[1\] = 11 "
+                                         r"then cu_seqlens_q\[2\] = \d+"):
         sink_attn_varlen_func(**args)
     args["cu_seqlens_q"][1] = 4
     sink_attn_varlen_func(**args)

@@ -50,7 +50,8 @@ def settle(q, k, v, sinks, softmax_scale, causal, window_size, backend, return_l
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
         sinks is not None and sinks.requires_grad))
     request = backends.Request(q.device.type, q.dtype, q.shape[-1], needs_grad, v.shape[-1])
-    name = _choose(backend, request) if type(backend) is str else backends.choose(backend, request)
+    cached = type(backend) is str and not torch.compiler.is_compiling()    # dynamo traces the choice itself
+    name = _choose(backend, request) if cached else backends.choose(backend, request)
     window = Window.of(validation.as_bool("causal", causal), window_size)
     if max_seqlen_q is None:
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]

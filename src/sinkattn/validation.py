@@ -158,7 +158,8 @@ def check_offsets(name: str, values: list[int], total: int | None, max_name: str
         raise ValueError(f"{name} must start at 0, got {values[0]}")
     for b in range(len(values) - 1):
         if values[b + 1] < values[b]:
-            raise ValueError(f"{name} must be non-decreasing, got {values[b]} then {values[b + 1]} at index {b}")
+            raise ValueError(f"{name} must be non-decreasing, got {name}[{b}] = {values[b]} then "
+                             f"{name}[{b + 1}] = {values[b + 1]}")
     if total is not None and values[-1] != total:
         raise ValueError(f"{name}[-1] must equal the token count {total}, got {values[-1]}")
     longest = max((b - a for a, b in zip(values, values[1:])), default=0)
