@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import Window
-from .cpu_tiles import (Dominant, TileMask, block_ds, block_forward, block_probabilities, block_products, row_scale,
-                        row_sums, score_scale)
+from .cpu_tiles import (EVERY_ROW, Dominant, TileMask, block_ds, block_forward, block_probabilities, block_products,
+                        row_scale, row_sums, score_scale)
 from .layout import Sequences, token_ranges
 
 __all__ = ["takes", "padded_length", "forward", "backward", "SHORT_LENGTH", "SLAB_ELEMENTS"]
@@ -205,8 +205,8 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, small, dq, dk, dv, s
             if dl is not None:
                 db = db.sub_(dl)
             batch.put_stat(delta, db.squeeze(-1))
-            if not literal and Dominant.possible(batch.stat(inv_l)):   # non-finite inputs: the terms as they are
-                dominant = Dominant()
+            if not literal and Dominant.possible(batch.stat(inv_l), EVERY_ROW):   # non-finite inputs: as they are
+                dominant = Dominant(EVERY_ROW)
                 dominant.see(p, 0)
         else:
             db = batch.stat(delta)[..., None]

@@ -63,7 +63,7 @@ from .nonfinite import visible_matmul
 
 __all__ = ["forward", "backward", "TileMask", "stack_group", "stacked_rows", "unstack_group", "row_scale",
            "score_scale", "block_forward", "block_probabilities", "row_sums", "block_ds", "block_products", "Dominant",
-           "rows_per_block", "BN", "TILE_ELEMENTS"]
+           "DOMINANT_FROM", "EVERY_ROW", "rows_per_block", "BN", "TILE_ELEMENTS"]
 
 BN = 256
 """Keys per chunk."""
@@ -256,7 +256,12 @@ def block_products(p, ds, qs, kb, dos, mask, literal: bool = False):
 
 
 DOMINANT_FROM = 0.5
-"""The least ``P`` of a row's largest key at which ``Dominant`` takes that key's ``dS`` from the identity."""
+"""The least ``P`` of a row's largest key at which ``Dominant`` takes that key's ``dS`` from the identity, on
+rows of any length (``cpu_small``'s rows, of at most 16 keys, take it on every row: ``Dominant(EVERY_ROW)``)."""
+
+EVERY_ROW = float(torch.finfo(torch.float32).tiny)
+"""A ``Dominant`` threshold that takes the identity on every row that sees a key (``P > 0``), as eager
+attention does through the gradient of its max subtraction."""
 
 
 class Dominant:
@@ -269,17 +274,21 @@ class Dominant:
     carried by the other keys and the sink; eager attention recovers it through the gradient of its
     max subtraction. Here the dominant key's ``dS`` is set to what the identity leaves for it, on rows where
     it holds at least ``DOMINANT_FROM`` of the mass: the direct ``dS`` loses ``eps / (1 - P)`` to the
-    cancellation in ``dP - Delta``, the identity about ``eps`` of the other terms; below it, the direct
-    form is the better one."""
+    cancellation in ``dP - Delta``, the identity about ``eps`` of the other terms. Below it, on a long row
+    whose mass is spread over many keys, the direct form is the better one (the identity's error grows with
+    the number of terms); on a short row the identity is (``EVERY_ROW``): where two keys of opposite sign
+    share the mass, the direct ``dS`` errors do not cancel in ``dQ`` and leave it several times eager's
+    error, which sums through the identity."""
 
-    def __init__(self):
+    def __init__(self, threshold: float = DOMINANT_FROM):
+        self.threshold = threshold
         self.best = self.key = self.ds_sum = None
 
     @staticmethod
-    def possible(inv_l: torch.Tensor) -> bool:
-        """Whether a row of ``inv_l = 1 / l`` may have a key of ``P >= DOMINANT_FROM``: a row's largest ``P``
+    def possible(inv_l: torch.Tensor, threshold: float = DOMINANT_FROM) -> bool:
+        """Whether a row of ``inv_l = 1 / l`` may have a key of ``P >= threshold``: a row's largest ``P``
         is ``e^(max_j s_ij - m) / l <= 1 / l``. Blocks without such a row skip the search (no correction)."""
-        return bool((inv_l >= DOMINANT_FROM).any())
+        return bool((inv_l >= threshold).any())
 
     def see(self, p: torch.Tensor, first_key: int) -> None:
         """One chunk's ``P [..., M, C]`` of keys ``first_key + [0, C)``."""
@@ -306,7 +315,7 @@ class Dominant:
         target = torch.zeros_like(delta) if sink_mass is None else sink_mass.double() * delta
         if dlse is not None:
             target = target + dlse.double()
-        return torch.where(self.best >= DOMINANT_FROM, target - self.ds_sum, 0.0).float()
+        return torch.where(self.best >= self.threshold, target - self.ds_sum, 0.0).float()
 
     def fold(self, fix: torch.Tensor, chunks) -> None:
         """Add ``fix`` to the dominant keys' ``dS`` before the products: ``chunks`` are ``(ds [..., M, C],
