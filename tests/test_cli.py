@@ -56,6 +56,12 @@ def test_verify_passes_and_json_holds_the_table(main_job):
     assert code == 0
     assert "verdict: PASS: 8 of 8" in text
     assert "A ratio: share within Gate A's tolerance (pass >= 0.99); B factor: max err / eager's" in text  # legend
+    assert "A, B: the gates' verdicts; det: outputs and gradients bitwise equal over the runs" in text
+    assert "peak MiB: the call's peak memory growth" in text
+    written = re.findall(r"^(table|plot) written to (\S+)$", text, flags=re.M)
+    assert [(kind, Path(path).name) for kind, path in written] == [
+        ("table", "verify.json"), ("table", "bench.json"), ("plot", "bench.png")]
+    assert all((folder.parent / path).is_file() for _, path in written)
     data = json.loads(out.read_text())
     assert data["passed"] is True and len(data["cases"]) == 8
     for case in data["cases"]:

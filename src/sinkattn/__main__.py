@@ -50,8 +50,12 @@ CLI_EXTRAS = options.CLI_EXTRAS
 LEGEND = (f"A ratio: share within Gate A's tolerance (pass >= "
           f"{min(t.required_ratio for t in precision.TOLERANCES.values()):g}); "
           f"B factor: max err / eager's (pass <= {precision.GATE_B_FACTOR['output']:g}, "
-          f"gradients <= {precision.GATE_B_FACTOR['gradient']:g})")
-"""The verify table's legend, printed under it: what its two figure columns mean and where they pass."""
+          f"gradients <= {precision.GATE_B_FACTOR['gradient']:g})",
+          "A, B: the gates' verdicts; det: outputs and gradients bitwise equal over the runs")
+"""The verify table's legend, two lines printed under it: what its columns mean and where they pass."""
+
+PEAK_LEGEND = "peak MiB: the call's peak memory growth (CPU: peak resident set, 0 where it reuses memory)"
+"""The bench table's memory column, printed under it."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -146,7 +150,8 @@ def cmd_verify(args) -> int:
                           f"{rep.max_abs_err:.3g}", a, _fmt(rep.gate_b_factor, ".3f"), b, det if i == 0 else "")
         failed += not r.passed
     console.print(table)
-    console.print(LEGEND, markup=False)
+    for line in LEGEND:
+        console.print(line, markup=False)
     for r in results:
         for rep in r.reports:
             if rep.waiver:
@@ -160,8 +165,10 @@ def cmd_verify(args) -> int:
                   repeats=args.repeats, determinism_checked=args.repeats > 1, passed=not failed,
                   cases=[dict(case=r.case.name, backend=r.backend, passed=r.passed, deterministic=r.deterministic,
                               error=r.error, reports=[rep.as_dict() for rep in r.reports]) for r in results])
-    if args.json and not _write(args.json, lambda f: json.dump(record, f, indent=2)):
-        return 1
+    if args.json:
+        if not _write(args.json, lambda f: json.dump(record, f, indent=2)):
+            return 1
+        console.print(f"table written to {args.json}", markup=False)
     return 0 if not failed else 1
 
 
@@ -250,6 +257,7 @@ def cmd_bench(args) -> int:
     console.print(table)
     for note, i in notes.items():
         console.print(f"[{i}] {note}", markup=False)
+    console.print(PEAK_LEGEND, markup=False)
     noise = bench.noise_warning((r.where, r.spread) for r in rows if r.ms is not None)
     if noise:
         console.print(noise, markup=False)
@@ -263,6 +271,8 @@ def cmd_bench(args) -> int:
     record = dict(header=info, setting=setting, title=title, sinkattn_failed=len(failed), repeats=args.repeats,
                   noise_limit=bench.NOISE_LIMIT, noise_warning=noise, rows=[r.as_dict() for r in rows])
     written = not args.json or _write(args.json, lambda f: json.dump(record, f, indent=2))
+    if args.json and written:
+        console.print(f"table written to {args.json}", markup=False)
     if args.plot:
         try:
             bench.plot(rows, args.plot, title)
