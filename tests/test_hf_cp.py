@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", minversion="5.4")
 
 import sinkattn.hf  # noqa: E402
 from sinkattn.hf import heads  # noqa: E402
+from sinkattn.backends import cpu_small  # noqa: E402
 from harness import gpt_oss, hf_cp  # noqa: E402
 from harness.hf_cp import relative_error as rel  # noqa: E402
 
@@ -142,9 +143,10 @@ def test_other_families_match_one_process(families_launched, family, run):
     window, token classifier: unshifted labels, loss from the logits over the global labelled count):
     loss, logits and every gradient within 1e-5 of one process, or, for a gradient that moves more than
     that with the summation order alone, within three times what the cpu backend's other path (the
-    PyTorch-op tiles, ``SINKATTN_CPU_KERNEL=python``) moves it in one process (the privacy filter's
-    router bias: 4e-6 there). (DeepSeek-V4 matches too but for its hyper-connection head scalars, whose
-    fp32 gradients move by up to 1e-3 with the summation order alone: docs/hf.md.)"""
+    PyTorch-op tiles for every sequence: ``SINKATTN_CPU_KERNEL=python``, no short path) moves it in one
+    process (the privacy filter's router bias: 6e-6 there). (DeepSeek-V4 matches too but for its
+    hyper-connection head scalars, whose fp32 gradients move by up to 1e-3 with the summation order alone:
+    docs/hf.md.)"""
     def one_process():
         model = hf_cp.model(NAME, family)
         batch = hf_cp.family_batch(family)
@@ -156,6 +158,7 @@ def test_other_families_match_one_process(families_launched, family, run):
     out, loss, batch, want = one_process()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SINKATTN_CPU_KERNEL", "python")
+        patch.setattr(cpu_small, "SHORT_LENGTH", 0)          # short sequences too: every sequence on the tiles
         other = one_process()[3]
     noise = {n: rel(other[n], g) for n, g in want.items()}
     assert max(noise.values()) < 1e-5
