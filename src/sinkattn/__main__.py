@@ -45,8 +45,6 @@ __all__ = ["main"]
 
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
-CLI_EXTRAS = options.CLI_EXTRAS
-
 LEGEND = (f"A ratio: share within Gate A's tolerance (pass >= "
           f"{min(t.required_ratio for t in precision.TOLERANCES.values()):g}); "
           f"B factor: max err / eager's (pass <= {precision.GATE_B_FACTOR['output']:g}, "
@@ -76,7 +74,7 @@ def _rich():
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
     except ImportError:
-        sys.exit(f"the sinkattn command needs its display extras: {CLI_EXTRAS}")
+        sys.exit(f"the sinkattn command needs its display extras: {options.CLI_EXTRAS}")
     console = Console()
     if not console.is_terminal:      # files and pipes: wide enough for the tables, no wrapping
         console = Console(width=120)
@@ -297,14 +295,6 @@ def _threads(text: str) -> int:
     return value
 
 
-def _plot_file(text: str) -> str:
-    """``--plot``: ``options.plot_file``, whose missing-matplotlib hint is given here in words for any install."""
-    options.json_file(text)
-    if not options.has_matplotlib():
-        raise argparse.ArgumentTypeError(f"plots need matplotlib, which is not installed: {CLI_EXTRAS}")
-    return options.plot_file(text)
-
-
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="sinkattn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=options.out_dir, metavar="DIR",
@@ -350,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"torch threads for every provider, 1 to {os.cpu_count() or 1} here (default: torch's own, "
                         f"one per core); on a machine other jobs keep busy, 1 is often several times faster")
     b.add_argument("--json", type=options.json_file, metavar="FILE", help="write every figure to this file")
-    b.add_argument("--plot", type=_plot_file, metavar="FILE",
+    b.add_argument("--plot", type=options.plot_file, metavar="FILE",
                    help="time against sequence length, a panel per mode, in the format of FILE's extension "
                         "(png, pdf, svg, jpg, ...: any matplotlib writes)")
     b.set_defaults(parser=b, check=check_bench, run=cmd_bench)
@@ -377,7 +367,7 @@ def _default_steps(ap, out: str) -> list:
     if options.has_matplotlib():
         plot = ["--plot", os.path.join(out, "bench.png")]
     else:
-        print(f"sinkattn: no plot (matplotlib is not installed; for plots: {CLI_EXTRAS})", file=sys.stderr)
+        print(f"sinkattn: no plot (matplotlib is not installed; for plots: {options.CLI_EXTRAS})", file=sys.stderr)
     return [ap.parse_args(["verify", "--json", os.path.join(out, "verify.json")]),
             ap.parse_args(["bench", "--json", os.path.join(out, "bench.json"), *plot])]
 
