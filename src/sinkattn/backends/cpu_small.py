@@ -205,8 +205,9 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, small, dq, dk, dv, s
             if dl is not None:
                 db = db.sub_(dl)
             batch.put_stat(delta, db.squeeze(-1))
-            if not literal and Dominant.possible(batch.stat(inv_l), EVERY_ROW):   # non-finite inputs: as they are
-                dominant = Dominant(EVERY_ROW)
+            if not literal:                             # non-finite inputs: the terms as they are
+                dominant = Dominant.for_rows(batch.stat(inv_l), EVERY_ROW)
+            if dominant is not None:
                 dominant.see(p, 0)
         else:
             db = batch.stat(delta)[..., None]

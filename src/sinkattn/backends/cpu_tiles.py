@@ -284,11 +284,11 @@ class Dominant:
         self.threshold = threshold
         self.best = self.key = self.ds_sum = None
 
-    @staticmethod
-    def possible(inv_l: torch.Tensor, threshold: float = DOMINANT_FROM) -> bool:
-        """Whether a row of ``inv_l = 1 / l`` may have a key of ``P >= threshold``: a row's largest ``P``
-        is ``e^(max_j s_ij - m) / l <= 1 / l``. Blocks without such a row skip the search (no correction)."""
-        return bool((inv_l >= threshold).any())
+    @classmethod
+    def for_rows(cls, inv_l: torch.Tensor, threshold: float = DOMINANT_FROM) -> "Dominant | None":
+        """A search for rows of ``inv_l = 1 / l``, or None where no row may have a key of ``P >= threshold``
+        (a row's largest ``P`` is ``e^(max_j s_ij - m) / l <= 1 / l``): such a block skips the correction."""
+        return cls(threshold) if bool((inv_l >= threshold).any()) else None
 
     def see(self, p: torch.Tensor, first_key: int) -> None:
         """One chunk's ``P [..., M, C]`` of keys ``first_key + [0, C)``."""
@@ -414,7 +414,7 @@ def backward(do, q, k, v, m, inv_l, delta, dlse, sink_mass, runs, dq, dk, dv, so
             kept = dominant = None
             cache = exact and qs.shape[:3].numel() * sum(t[0].shape[2] for t in tiles) <= KEPT_ELEMENTS
             if exact:
-                kept, sums, dominant = [], None, (None if literal or not Dominant.possible(lb) else Dominant())
+                kept, sums, dominant = [], None, (None if literal else Dominant.for_rows(lb))
                 for kb, vb, mask, c0, _ in tiles:
                     pdp = block_probabilities(qs, kb, vb, dos, mb, lb, mask, literal, post)
                     sums = row_sums(*pdp) if sums is None else sums.add_(row_sums(*pdp))
